@@ -44,7 +44,7 @@ class UnknownRequestError(PagekvError, KeyError):
 
 
 class NoFreeBlocksError(PagekvError):
-    """Not enough free or evictable blocks for an allocation (normal flow: the scheduler preempts)."""
+    """Not enough free or evictable blocks (normal flow: the scheduler preempts)."""
 
 
 class InvariantError(PagekvError, AssertionError):

@@ -1,0 +1,432 @@
+"""The KV cache manager: block tables, prefix hits, growth, fork, copy-on-write, swap.
+
+Owns: every request's block table (device, or host while swapped), the pins that keep transfer
+sources alive, and the pending transfers. The ``BlockPool``s own reference counts. The scheduler
+calls this facade; the runner only sees the ``BlockTransfers`` it hands out. Must not import torch.
+
+Token positions map to slots through the table (block size B = 4 here)::
+
+    position:   0 1 2 3 | 4 5 6 7 | 8 9
+    logical:    block 0 | block 1 | block 2 (partial: 2 of 4 slots used)
+    table:      [  8    ,   2     ,  15  ]
+    slot(p) = table[p // B] * B + p % B      e.g. slot(9) = 15 * 4 + 1 = 61
+
+Copy-on-write happens BEFORE the write: when a request is about to write into a block whose
+ref count is > 1, ``append_slots`` gives it a fresh block, remaps its table, and records
+(src, dst); the runner copies src -> dst before the forward pass writes the new token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagekv.core.block_pool import BlockPool
+from pagekv.core.plan import BlockPair, BlockTransfers
+from pagekv.core.prefix_cache import extend_hash_chain
+from pagekv.core.request import Request
+from pagekv.errors import InvalidRequestError, PromptTooLongError, UnknownRequestError
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+@dataclass
+class _Table:
+    """A request's block table: logical block i -> physical block ``blocks[i]``."""
+
+    request: Request
+    blocks: list[int]
+    num_committed: int = 0  # blocks[:num_committed] are known to the prefix cache
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of the device pool, for stats and metrics."""
+
+    num_blocks: int
+    num_free_blocks: int  # FREE only
+    num_used_blocks: int
+    num_evictable_blocks: int
+    num_slots_allocated: int  # used blocks x block size
+    num_tokens_stored: int  # computed tokens in used blocks, shared blocks counted once
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_cow_copies: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_evictions: int
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Share of allocated slots that hold no token (the tails of last blocks)."""
+        if self.num_slots_allocated == 0:
+            return 0.0
+        return 1.0 - self.num_tokens_stored / self.num_slots_allocated
+
+
+class KVCacheManager:
+    """Facade over the device pool (and the host pool used for swapping)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.host_pool = BlockPool(num_host_blocks, block_size) if num_host_blocks > 0 else None
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[str, _Table] = {}
+        self._host_tables: dict[str, _Table] = {}
+        self._pins: Counter[int] = Counter()  # device transfer sources, until taken
+        self._host_pins: Counter[int] = Counter()
+        self._swap_out: list[BlockPair] = []
+        self._swap_in: list[BlockPair] = []
+        self._copies: list[BlockPair] = []
+        # Twins: a device block and a host block known to hold the same K/V, so a block shared
+        # by two swapped requests moves once. Broken when either side is written or released.
+        self._host_twin: dict[int, int] = {}
+        self._device_twin: dict[int, int] = {}
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_cow_copies = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+
+    # ---- queries --------------------------------------------------------------------------------
+
+    def has_table(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._host_tables
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._table(request_id).blocks
+
+    def host_block_table(self, request_id: str) -> list[int]:
+        if request_id not in self._host_tables:
+            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
+        return self._host_tables[request_id].blocks
+
+    def request_ids(self) -> list[str]:
+        return list(self._tables)
+
+    def swapped_request_ids(self) -> list[str]:
+        return list(self._host_tables)
+
+    def pins(self) -> Counter[int]:
+        return Counter(self._pins)
+
+    def host_pins(self) -> Counter[int]:
+        return Counter(self._host_pins)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def num_cached_tokens(self, request: Request) -> int:
+        """Tokens of ``request`` a new allocation would find in the prefix cache (pure)."""
+        return len(self._find_hits(request)) * self.block_size
+
+    def can_allocate(self, request: Request, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
+        """Whether ``allocate`` would succeed, keeping ``reserve_blocks`` free afterwards."""
+        hits = self._find_hits(request)
+        return self._num_missing(request, hits, num_new_tokens) + reserve_blocks <= self._room(hits)
+
+    def _find_hits(self, request: Request) -> list[int]:
+        # Hits cover whole blocks of the first num_tokens - 1 tokens: the last token is always
+        # computed, so a request never has to write into a block it found in the cache.
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        chain = request.block_hashes
+        if len(chain) < max_blocks:
+            tokens = request.all_token_ids[: max_blocks * self.block_size]
+            extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
+        hits: list[int] = []
+        for block_hash in chain[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _num_missing(self, request: Request, hits: list[int], num_new_tokens: int) -> int:
+        return cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
+
+    def _room(self, hits: list[int]) -> int:
+        # Evictable hits leave the LRU when pinned, so they are not room for new blocks.
+        evictable_hits = sum(1 for b in hits if self.pool.is_evictable(b))
+        return self.pool.num_free_blocks - evictable_hits
+
+    # ---- allocation -----------------------------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_tokens: int) -> int | None:
+        """Give a request with no table its prefix hits plus blocks for ``num_new_tokens`` more.
+
+        Returns the number of tokens found in the prefix cache (the caller sets them computed),
+        or None if the pool cannot hold them now (nothing changed). Hits are pinned before any
+        block is allocated, so the eviction that allocation may cause can never take them.
+        """
+        self._check_new(request, num_new_tokens)
+        hits = self._find_hits(request)
+        num_missing = self._num_missing(request, hits, num_new_tokens)
+        if num_missing > self._room(hits):
+            return None
+        self.pool.touch(hits)
+        blocks = hits + self.pool.allocate(num_missing)
+        self._tables[request.request_id] = _Table(request, blocks, num_committed=len(hits))
+        num_hit_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_hit_tokens
+        return num_hit_tokens
+
+    def _check_new(self, request: Request, num_new_tokens: int) -> None:
+        rid = request.request_id
+        if rid in self._tables or rid in self._host_tables:
+            raise InvalidRequestError(f"request {rid!r} already holds blocks", "request_id")
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 1:
+            raise InvalidRequestError(
+                f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens"
+            )
+        if num_new_tokens > request.num_tokens:
+            raise InvalidRequestError(
+                f"num_new_tokens {num_new_tokens} exceeds the request"
+                f"'s {request.num_tokens} tokens",
+                "num_new_tokens",
+            )
+        if self.num_blocks_for(request.num_tokens) > self.pool.num_blocks:
+            raise PromptTooLongError(
+                f"request {rid!r} needs {self.num_blocks_for(request.num_tokens)} blocks; "
+                f"the whole pool has {self.pool.num_blocks}",
+                "prompt",
+            )
+
+    def append_slots(self, request: Request, num_new_tokens: int, reserve_blocks: int = 0) -> bool:
+        """Make room to write ``num_new_tokens`` tokens after the computed ones.
+
+        Grows the table to cover them and copies-on-write any shared block they fall into.
+        Returns False, changing nothing, if the pool cannot supply the blocks now.
+        """
+        table = self._tables.get(request.request_id)
+        if table is None:
+            raise UnknownRequestError(f"request {request.request_id!r} holds no device blocks")
+        blocks, block_size, ref = table.blocks, self.block_size, self.pool._ref
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        num_grow = cdiv(end, block_size) - len(blocks)
+        written = range(start // block_size, min(len(blocks), cdiv(end, block_size)))
+        shared = [i for i in written if ref[blocks[i]] > 1]
+        if max(num_grow, 0) + len(shared) + reserve_blocks > self.pool.num_free_blocks:
+            return False
+        for i in shared:
+            self._copy_on_write(blocks, i)
+        for _ in range(num_grow):
+            blocks.append(self.pool.allocate_one())
+        if self._host_twin:
+            for i in written:
+                self._break_twin(blocks[i])
+        return True
+
+    def _copy_on_write(self, blocks: list[int], index: int) -> None:
+        src = blocks[index]
+        dst = self.pool.allocate_one()
+        # The table's reference on src becomes a pin: src stays alive until the copy is taken.
+        self._pins[src] += 1
+        blocks[index] = dst
+        self._copies.append((src, dst))
+        self.num_cow_copies += 1
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the parent's whole table: every block shared, ref count + 1."""
+        table = self._table(parent.request_id)
+        self._check_fork(parent, child)
+        self.pool.touch(table.blocks)
+        self._tables[child.request_id] = _Table(child, list(table.blocks), table.num_committed)
+        child.block_hashes = list(parent.block_hashes)
+
+    def _check_fork(self, parent: Request, child: Request) -> None:
+        cid = child.request_id
+        if cid in self._tables or cid in self._host_tables:
+            raise InvalidRequestError(f"request {cid!r} already holds blocks", "request_id")
+        if child.num_computed_tokens != parent.num_computed_tokens:
+            raise InvalidRequestError(
+                "a fork starts at the parent's computed tokens "
+                f"({parent.num_computed_tokens}), child has {child.num_computed_tokens}",
+                "num_computed_tokens",
+            )
+
+    def free(self, request_id: str) -> None:
+        """Release everything the request holds, device and host; its table is gone."""
+        table = self._tables.pop(request_id, None)
+        host_table = self._host_tables.pop(request_id, None)
+        if table is None and host_table is None:
+            raise UnknownRequestError(f"request {request_id!r} holds no blocks")
+        if table is not None:
+            self._release(self.pool, table.blocks[::-1])
+        if host_table is not None and self.host_pool is not None:
+            self._release(self.host_pool, host_table.blocks[::-1])
+
+    def commit(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache.
+
+        Called after the step that wrote them, never before: a block is a cache hit only once
+        its K/V exists.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._table(request.request_id)
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= table.num_committed:
+            return
+        chain = request.block_hashes
+        if len(chain) < num_full:
+            tokens = request.all_token_ids[: num_full * self.block_size]
+            extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
+        for i in range(table.num_committed, num_full):
+            self.pool.commit(table.blocks[i], chain[i])
+        table.num_committed = num_full
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block nobody uses; returns how many were dropped."""
+        return self.pool.evict_all()
+
+    # ---- swapping -------------------------------------------------------------------------------
+
+    def swap_out(self, request_id: str) -> bool:
+        """Move a request's blocks to the host pool; False (nothing changed) if it lacks room.
+
+        A block whose host twin is still valid (shared with a request swapped earlier) is not
+        moved again; the host block gains a reference instead.
+        """
+        table = self._table(request_id)
+        host = self.host_pool
+        if host is None:
+            return False
+        num_moves = sum(1 for b in table.blocks if b not in self._host_twin)
+        if num_moves > host.num_free_blocks:
+            return False
+        host_blocks = self._move(table.blocks, True, self._swap_out)
+        del self._tables[request_id]
+        self._release(self.pool, table.blocks[::-1])
+        self._host_tables[request_id] = _Table(table.request, host_blocks)
+        self.num_swapped_out_blocks += num_moves
+        return True
+
+    def swap_in(self, request_id: str) -> bool:
+        """Bring a swapped request's blocks back to the device; False if the pool lacks room."""
+        if request_id not in self._host_tables:
+            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
+        host_table = self._host_tables[request_id]
+        num_moves = sum(1 for h in host_table.blocks if h not in self._device_twin)
+        if num_moves > self.pool.num_free_blocks:
+            return False
+        moves_before = len(self._swap_in)
+        blocks = self._move(host_table.blocks, False, self._swap_in)
+        for host_block, _ in self._swap_in[moves_before:]:
+            self._host_pins[host_block] += 1  # sources stay alive until the plan is taken
+        assert self.host_pool is not None
+        self.host_pool.touch([h for h, _ in self._swap_in[moves_before:]])
+        del self._host_tables[request_id]
+        self._release(self.host_pool, host_table.blocks[::-1])
+        self._tables[request_id] = _Table(host_table.request, blocks)
+        self.num_swapped_in_blocks += num_moves
+        return True
+
+    def _move(self, blocks: Sequence[int], to_host: bool, moves: list[BlockPair]) -> list[int]:
+        """Map each block to the other pool: its live twin, or a new block plus a move."""
+        dst_pool = self.host_pool if to_host else self.pool
+        assert dst_pool is not None
+        twin, back = (
+            (self._host_twin, self._device_twin)
+            if to_host
+            else (self._device_twin, self._host_twin)
+        )
+        out: list[int] = []
+        for block_id in blocks:
+            target = twin.get(block_id)
+            if target is None:
+                target = dst_pool.allocate_one()
+                twin[block_id] = target
+                back[target] = block_id
+                moves.append((block_id, target))
+            else:
+                dst_pool.touch([target])
+            out.append(target)
+        return out
+
+    def _release(self, pool: BlockPool, blocks: Sequence[int]) -> None:
+        pool.free(blocks)
+        if self._host_twin:
+            for block_id in blocks:
+                if pool._ref[block_id] == 0:
+                    self._break_twin(block_id, host=pool is self.host_pool)
+
+    def _break_twin(self, block_id: int, host: bool = False) -> None:
+        if host:
+            device_block = self._device_twin.pop(block_id, None)
+            if device_block is not None:
+                self._host_twin.pop(device_block, None)
+        else:
+            host_block = self._host_twin.pop(block_id, None)
+            if host_block is not None:
+                self._device_twin.pop(host_block, None)
+
+    # ---- hand-off to the runner -----------------------------------------------------------------
+
+    def take_transfers(self) -> BlockTransfers:
+        """Hand out the pending transfers (in apply order) and release their sources' pins."""
+        transfers = BlockTransfers(tuple(self._swap_out), tuple(self._swap_in), tuple(self._copies))
+        self._swap_out.clear()
+        self._swap_in.clear()
+        self._copies.clear()
+        if self._pins:
+            pinned = list(self._pins.elements())
+            self._pins.clear()
+            self._release(self.pool, pinned)
+        if self._host_pins and self.host_pool is not None:
+            pinned = list(self._host_pins.elements())
+            self._host_pins.clear()
+            self._release(self.host_pool, pinned)
+        return transfers
+
+    def take_copies(self) -> list[BlockPair]:
+        """Only the copy-on-write pairs (for callers that do not swap); see ``take_transfers``."""
+        return list(self.take_transfers().copies)
+
+    # ---- reporting ------------------------------------------------------------------------------
+
+    def usage(self) -> KVUsage:
+        fill: dict[int, int] = {}
+        for table in self._tables.values():
+            computed = table.request.num_computed_tokens
+            for i, block_id in enumerate(table.blocks):
+                tokens = min(self.block_size, max(0, computed - i * self.block_size))
+                fill[block_id] = max(fill.get(block_id, 0), tokens)
+        pool = self.pool
+        return KVUsage(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_evictable_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_evictable_blocks=pool.num_evictable_blocks,
+            num_slots_allocated=pool.num_used_blocks * self.block_size,
+            num_tokens_stored=sum(fill.values()),
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
+            num_cow_copies=self.num_cow_copies,
+            num_swapped_out_blocks=self.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.num_swapped_in_blocks,
+            num_evictions=pool.num_evictions,
+        )
+
+    def _table(self, request_id: str) -> _Table:
+        table = self._tables.get(request_id)
+        if table is None:
+            raise UnknownRequestError(f"request {request_id!r} holds no device blocks")
+        return table

@@ -1,0 +1,78 @@
+"""What one engine step must do: the scheduler's decision, handed to the runner as plain data.
+
+Owns nothing; frozen records. Must not import torch. Blocks cross from core to runner only as
+integer ids inside these records.
+
+Block transfers are applied by the runner before the forward pass, in this order::
+
+    1. swap_out  (device -> host)   reads device blocks that this same plan may already have
+                                    given to someone else, so it runs before anything writes
+    2. swap_in   (host -> device)   its host sources are pinned until the plan is taken, so no
+                                    swap-out of this step can overwrite them
+    3. copies    (device -> device) copy-on-write; a source may itself be a block swapped in at
+                                    step 2, and is pinned until the plan is taken
+    4. forward   writes the new tokens' K/V into their slots, never into a shared block
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagekv.core.request import Request
+
+BlockPair = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class BlockTransfers:
+    """Block moves to apply before the forward, in field order (see the module docstring)."""
+
+    swap_out: tuple[BlockPair, ...] = ()  # (device block, host block)
+    swap_in: tuple[BlockPair, ...] = ()  # (host block, device block)
+    copies: tuple[BlockPair, ...] = ()  # (source device block, destination device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: feed ``num_tokens`` tokens from ``start_position``.
+
+    ``block_table`` is the manager's live list for the request; read it, never change it. It
+    covers at least ``start_position + num_tokens`` tokens when the plan is made.
+    """
+
+    request: Request
+    start_position: int
+    num_tokens: int
+    block_table: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.start_position + self.num_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        end = self.start_position + self.num_tokens
+        return self.request.all_token_ids[self.start_position : end]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole step: who runs, which blocks move, and what the scheduler did to make room."""
+
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    transfers: BlockTransfers
+    preempted: tuple[str, ...] = ()
+    rejected: tuple[str, ...] = field(default=())
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.transfers

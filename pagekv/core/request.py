@@ -1,0 +1,93 @@
+"""One sequence's logical state: its tokens, how many are computed, its status.
+
+Owns: the token ids in logical order and ``num_computed_tokens``; the engine creates requests,
+the scheduler moves them between queues and advances ``num_computed_tokens``. The physical side
+(block table) is owned by the KV cache manager, keyed by ``request_id``. Must not import torch.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+from pagekv.core.block_pool import BlockHash
+from pagekv.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+class Request:
+    """A sequence being generated. ``all_token_ids`` = prompt + output, in logical order.
+
+    The one rule of scheduling: a request has ``num_computed_tokens`` (K/V in the cache) and a
+    target ``num_tokens``; each step hands it tokens until they meet. Prefill, chunked prefill,
+    prefix-cache hits and resumption after preemption are all this rule.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission (usage reports)
+        self.num_preemptions = 0
+        # Keys of this sequence's full blocks (prefix_cache.extend_hash_chain); derived from the
+        # tokens, kept here so a waiting request does not rehash every time it is considered.
+        self.block_hashes: list[BlockHash] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,129 @@
+"""How one request is sampled and when it stops: ``SamplingParams`` (pure Python, no torch).
+
+Named and defaulted as vLLM users expect. Validation happens in ``__post_init__`` so an invalid
+object never exists: every error is an ``InvalidRequestError`` naming the parameter, raised before
+the engine allocates anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagekv.errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping settings of one request.
+
+    ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1`` disable those filters.
+    With ``seed`` set, branch ``i`` of an ``n > 1`` request samples with ``seed + i``.
+    ``logprobs=k`` returns the chosen token's log-probability and the top ``k`` alternatives,
+    all under the model's raw distribution (before temperature and filters), as vLLM does.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept a single stop string or list, as the OpenAI API does; store tuples (frozen).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None:
+            _check(
+                _is_int(self.best_of) and self.best_of >= self.n,
+                "best_of",
+                f"must be an integer >= n ({self.n}), got {self.best_of!r}",
+            )
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be a number >= 0, got {self.temperature!r}",
+        )
+        _check(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        if self.top_k is not None:
+            _check(
+                _is_int(self.top_k) and self.top_k >= 1,
+                "top_k",
+                f"must be None or an integer >= 1, got {self.top_k!r}",
+            )
+        _check(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
+        if self.seed is not None:
+            _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be an integer in [0, max_tokens], got {self.min_tokens!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be non-empty strings",
+        )
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative integers",
+        )
+        if self.logprobs is not None:
+            _check(
+                _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def num_branches(self) -> int:
+        """How many sequences the request generates (``best_of`` if set, else ``n``)."""
+        return self.best_of if self.best_of is not None else self.n
