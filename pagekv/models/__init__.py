@@ -1,0 +1,29 @@
+"""Llama-family models for pagekv: definitions, weight loading (GGUF, HF safetensors), tokenizer.
+
+Layout (arrows point down; nothing here imports runner/, core/ or server/):
+
+    loader        load_model(path) -> LoadedModel(config, model, tokenizer, path, fingerprint)
+      gguf_loader   GGUF metadata -> ModelConfig; llama.cpp tensor names -> HF names
+        gguf_file     GGUF byte layout: metadata, tensor directory, dequantize
+      hf_loader     config.json -> ModelConfig; safetensors shards
+      tokenizer     Tokenizer (encode/decode/chat template); gguf_tokenizer builds GGUF ones
+        chat_template sandboxed Jinja rendering + message validation
+      llama         LlamaForCausalLM: forward(input_ids, positions, attention) -> hidden
+        rope          cos/sin table, rope scaling
+        config        ModelConfig (frozen, validated)
+"""
+
+from pagekv.models.config import ModelConfig
+from pagekv.models.llama import AttentionFn, LlamaForCausalLM
+from pagekv.models.loader import LoadedModel, default_model_path, load_model
+from pagekv.models.tokenizer import Tokenizer
+
+__all__ = [
+    "AttentionFn",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelConfig",
+    "Tokenizer",
+    "default_model_path",
+    "load_model",
+]

@@ -1,0 +1,84 @@
+"""Engine configuration: one frozen dataclass, validated once. No torch.
+
+Sizes accept ints (bytes) or strings like "1GiB", "512MiB", "2GB".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pagekv.core.scheduler import PreemptionMode
+from pagekv.errors import InvalidRequestError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str, param: str) -> int:
+    """``"1GiB"`` -> 1073741824; rejects negatives and unknown units by name."""
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{param}: expected a size, got {value!r}", param)
+    if isinstance(value, int):
+        num = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise InvalidRequestError(
+                f"{param}: cannot read {value!r} as a size like '1GiB'", param
+            )
+        num = int(float(match.group(1)) * _UNITS[unit])
+    if num < 0:
+        raise InvalidRequestError(f"{param}: must be >= 0, got {value!r}", param)
+    return num
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
+    dtype: str = "float32"  # "float32" | "bfloat16"
+    block_size: int = 16
+    kv_cache_memory: int | str = "1GiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    swap_space: int | str = 0  # host pool bytes for swap preemption
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length
+    preemption_mode: str = "recompute"
+    check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise InvalidRequestError(
+                f"dtype must be float32 or bfloat16, got {self.dtype!r}", "dtype"
+            )
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise InvalidRequestError(
+                f"block_size must be >= 1, got {self.block_size!r}", "block_size"
+            )
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidRequestError("num_kv_blocks must be >= 1", "num_kv_blocks")
+        parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        parse_bytes(self.swap_space, "swap_space")
+        modes = [m.value for m in PreemptionMode]
+        if self.preemption_mode not in modes:
+            raise InvalidRequestError(
+                f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}",
+                "preemption_mode",
+            )
+        if self.max_num_batched_tokens < self.block_size:
+            raise InvalidRequestError(
+                "max_num_batched_tokens must be >= block_size", "max_num_batched_tokens"
+            )

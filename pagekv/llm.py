@@ -1,0 +1,121 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` and ``.chat(messages, params)``.
+
+Owns nothing but its engine; every call runs the engine's step loop until its requests end.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagekv.config import EngineConfig
+from pagekv.engine import LLMEngine, PromptInput
+from pagekv.errors import InvalidRequestError
+from pagekv.outputs import RequestOutput
+from pagekv.sampling_params import SamplingParams
+
+Prompt = str | Mapping[str, Any]
+Message = Mapping[str, str]
+
+
+class LLM:
+    """A vLLM-style offline engine. ``model=None`` loads the default SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built elsewhere (tests share one loaded model across engines)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for a str, a list of str, or ``{"prompt_token_ids": [...]}`` items."""
+        items = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
+        inputs = [_prompt_input(p) for p in items]
+        params = _per_prompt(sampling_params, len(inputs))
+        return self._run(inputs, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        first = messages[0]
+        conversations = [messages] if isinstance(first, Mapping) else list(messages)
+        tok = self.engine.tokenizer
+        texts = [tok.apply_chat_template([dict(m) for m in c]) for c in conversations]  # type: ignore[union-attr]
+        return self.generate(texts, sampling_params, use_tqdm)
+
+    def _run(
+        self, inputs: list[PromptInput], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"gen-{next(self._ids)}" for _ in inputs]
+        try:
+            for rid, prompt, p in zip(ids, inputs, params, strict=True):
+                engine.add_request(rid, prompt, p)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)  # a bad prompt leaves nothing of the batch behind
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
+        while len(done) < len(ids):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[rid] for rid in ids]
+
+
+def _prompt_input(prompt: Prompt) -> PromptInput:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt and isinstance(prompt["prompt"], str):
+            return str(prompt["prompt"])
+    raise InvalidRequestError(
+        f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+        "prompt",
+    )
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, num: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num
+    if isinstance(params, SamplingParams):
+        return [params] * num
+    out = list(params)
+    if len(out) != num:
+        raise InvalidRequestError(
+            f"{len(out)} sampling params for {num} prompts", "sampling_params"
+        )
+    return out

@@ -1,0 +1,111 @@
+"""The shape of a Llama-family model: `ModelConfig`, frozen and validated on construction.
+
+Owns the validation of sizes and of the RoPE scaling description (the frozen form of Hugging
+Face's `rope_scaling` dict). Loaders build one from config.json or GGUF metadata; the model and
+the KV cache size themselves from it. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagekv.errors import ModelLoadError
+
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+# rope_scaling "type"/"rope_type" values we implement; "default" means no scaling at all.
+ROPE_SCALING_TYPES = ("llama3", "linear")
+
+RopeScaling = tuple[tuple[str, object], ...]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and hyper-parameters of a decoder-only Llama-family model."""
+
+    model_type: str  # "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None  # sorted (key, value) pairs; see freeze_rope_scaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2-style bias on q/k/v
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ModelLoadError(f"unknown model type {self.model_type!r}; known: {MODEL_TYPES}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelLoadError(f"config {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelLoadError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ModelLoadError("rms_norm_eps and rope_theta must be positive")
+        if self.rope_scaling is not None:
+            freeze_rope_scaling(dict(self.rope_scaling))  # validates
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def rope_scaling_dict(self) -> dict[str, object] | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+
+def freeze_rope_scaling(scaling: Mapping[str, object] | None) -> RopeScaling | None:
+    """Validate HF's rope_scaling dict and return it as sorted pairs (None when unscaled).
+
+    Accepts both spellings of the type key ("rope_type", older "type"). Values are kept as
+    given except numbers, which must be real numbers. Unknown types raise ModelLoadError.
+    """
+    if scaling is None:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALING_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: {ROPE_SCALING_TYPES}"
+        )
+    required: tuple[str, ...] = ("factor",)
+    if rope_type == "llama3":
+        required = ("factor", "low_freq_factor", "high_freq_factor")
+        required += ("original_max_position_embeddings",)
+    for key in required:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(f"rope_scaling {rope_type!r} needs a positive {key!r}")
+    # Lists become tuples so the frozen config stays hashable.
+    pairs = {
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in scaling.items()
+        if k not in ("type", "rope_theta")
+    }
+    pairs["rope_type"] = rope_type
+    return tuple(sorted(pairs.items()))

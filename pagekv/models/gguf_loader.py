@@ -1,0 +1,151 @@
+"""From an opened GGUF file to a ModelConfig and a stream of weights under Hugging Face names.
+
+Owns the translation of llama.cpp's conventions to HF's: metadata keys, tensor names, and the
+row permutation llama.cpp's converter applies to attn_q / attn_k for the llama architecture
+(it reorders each head's rows for interleaved-pair RoPE; we use HF's half-split RoPE).
+Byte-level parsing lives in gguf_file; the tokenizer is built in tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from pagekv.errors import ModelLoadError
+from pagekv.models.config import ModelConfig, freeze_rope_scaling
+from pagekv.models.gguf_file import GGUFFile
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _require(gguf: GGUFFile, key: str) -> object:
+    value = gguf.metadata.get(key)
+    if value is None:
+        raise ModelLoadError(f"{gguf.path}: missing GGUF metadata key {key!r}")
+    return value
+
+
+def _int(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+    value = gguf.metadata.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"{gguf.path}: missing GGUF metadata key {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{gguf.path}: metadata {key!r} should be an integer: {value!r}")
+    return value
+
+
+def _float(gguf: GGUFFile, key: str, default: float) -> float:
+    value = gguf.metadata.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelLoadError(f"{gguf.path}: metadata {key!r} should be a number: {value!r}")
+    return float(value)
+
+
+def gguf_architecture(gguf: GGUFFile) -> str:
+    arch = _require(gguf, "general.architecture")
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"{gguf.path}: unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHS}"
+        )
+    return arch
+
+
+def gguf_config(gguf: GGUFFile) -> ModelConfig:
+    """The ModelConfig that GGUF metadata (and the tensor directory) describe."""
+    arch = gguf_architecture(gguf)
+    embed = gguf.tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{gguf.path}: missing tensor 'token_embd.weight'")
+    if "rope_freqs.weight" in gguf.tensors:
+        raise ModelLoadError(f"{gguf.path}: per-dimension rope_freqs (Llama 3.1) is not supported")
+    hidden = _int(gguf, f"{arch}.embedding_length")
+    num_heads = _int(gguf, f"{arch}.attention.head_count")
+    num_kv_heads = _int(gguf, f"{arch}.attention.head_count_kv", num_heads)
+    head_dim = _int(gguf, f"{arch}.attention.key_length", hidden // num_heads)
+    return ModelConfig(
+        model_type=arch,
+        vocab_size=embed.shape[0],
+        hidden_size=hidden,
+        intermediate_size=_int(gguf, f"{arch}.feed_forward_length"),
+        num_hidden_layers=_int(gguf, f"{arch}.block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_float(gguf, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=_float(gguf, f"{arch}.rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(gguf, arch),
+        max_position_embeddings=_int(gguf, f"{arch}.context_length"),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+    )
+
+
+def _rope_scaling(gguf: GGUFFile, arch: str) -> tuple[tuple[str, object], ...] | None:
+    rope_type = gguf.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if rope_type == "none":
+        return None
+    factor = gguf.metadata.get(f"{arch}.rope.scaling.factor")
+    try:
+        return freeze_rope_scaling({"rope_type": rope_type, "factor": factor})
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{gguf.path}: {exc}") from exc
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF checkpoint name for a llama.cpp tensor name (None if we do not know it)."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix != "blk" or not layer.isdigit() or suffix not in _LAYER_TENSORS:
+        return None
+    return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's permute of attn_q/attn_k rows (weight [heads*head_dim, in] or bias).
+
+    llama.cpp stores each head's rows as interleaved (even, odd) rotary pairs; HF keeps the
+    first halves, then the second halves.
+    """
+    head_dim = w.shape[0] // num_heads
+    grouped = w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+    heads_of = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for name in gguf.tensors:
+        target = hf_name(name)
+        if target is None:
+            raise ModelLoadError(f"{gguf.path}: unexpected tensor {name!r}")
+        values = gguf.read_tensor(name)
+        kind = name.split(".")[-2]
+        if config.model_type == "llama" and kind in heads_of:
+            values = unpermute_rope_rows(values, heads_of[kind])
+        if not values.flags.writeable:  # a view of the read-only map; torch wants writable
+            values = values.copy()
+        yield target, torch.from_numpy(values)

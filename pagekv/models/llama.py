@@ -1,0 +1,203 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, and its weight loading.
+
+Owns the model's parameters and the forward math: RMSNorm, RoPE, grouped-query attention
+projections, SwiGLU MLP. It does NOT own attention over the KV cache: the caller passes an
+`AttentionFn` that gets rotated q/k/v for a flat batch of tokens and returns the attention output,
+so paging, block tables and causality live in the runner. Imports nothing from runner/ or core/.
+
+Load-time fusion: q/k/v projections are stacked into one `qkv_proj` weight and gate/up into one
+`gate_up_proj`, so each layer does two matmuls fewer; `load_weights` takes Hugging Face names and
+fills the fused slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagekv.errors import ModelLoadError
+from pagekv.models.config import ModelConfig
+from pagekv.models.rope import apply_rope, rope_cos_sin
+
+# (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
+# head_dim]) -> out [T, num_heads, head_dim]; q, k, v contiguous, in the model dtype. q and k are
+# already rotated; the function applies the 1/sqrt(head_dim) scale and causality itself.
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+# HF name inside a layer -> (our parameter, which stacked slice): slices index _fused_slices().
+_LAYER_PARAMS: dict[str, tuple[str, str | None]] = {
+    "input_layernorm.weight": ("input_layernorm", None),
+    "post_attention_layernorm.weight": ("post_attention_layernorm", None),
+    "self_attn.q_proj.weight": ("qkv_proj", "q"),
+    "self_attn.k_proj.weight": ("qkv_proj", "k"),
+    "self_attn.v_proj.weight": ("qkv_proj", "v"),
+    "self_attn.q_proj.bias": ("qkv_bias", "q"),
+    "self_attn.k_proj.bias": ("qkv_bias", "k"),
+    "self_attn.v_proj.bias": ("qkv_bias", "v"),
+    "self_attn.o_proj.weight": ("o_proj", None),
+    "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
+    "mlp.up_proj.weight": ("gate_up_proj", "up"),
+    "mlp.down_proj.weight": ("down_proj", None),
+}
+# Checkpoints carry these sometimes; they are derived, not learned.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    # Uninitialized: every parameter is overwritten by load_weights (which checks coverage).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale in the model dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        hidden, qkv = config.hidden_size, config.q_size + 2 * config.kv_size
+        self.input_layernorm = _weight(hidden, dtype=dtype)
+        self.qkv_proj = _weight(qkv, hidden, dtype=dtype)  # rows: q, then k, then v
+        self.qkv_bias = _weight(qkv, dtype=dtype) if config.attention_bias else None
+        self.o_proj = _weight(hidden, config.q_size, dtype=dtype)
+        self.post_attention_layernorm = _weight(hidden, dtype=dtype)
+        self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, dtype=dtype)
+        self.down_proj = _weight(hidden, config.intermediate_size, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """x [T, hidden]; cos/sin [T, head_dim // 2] float32 for each token's position."""
+        eps = self.config.rms_norm_eps
+        x = x + self._attention(rms_norm(x, self.input_layernorm, eps), cos, sin, attention)
+        return x + self._mlp(rms_norm(x, self.post_attention_layernorm, eps))
+
+    def _attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)  # [T, q_size + 2 * kv_size]
+        q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, cfg.num_attention_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
+        # contiguous like q and k (fresh from the rotation), so kernels may assume it
+        v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim).contiguous()
+        out = attention(self.layer_idx, q, k, v)  # [T, num_heads, head_dim]
+        return F.linear(out.reshape(num_tokens, cfg.q_size), self.o_proj)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. Owns its weights (frozen, eval mode) and the float32 RoPE table.
+
+    `forward` maps a flat batch of tokens from any number of sequences to final-normed hidden
+    states; `compute_logits` turns the rows the caller wants sampled into float32 logits.
+    """
+
+    rope_cos: torch.Tensor  # buffers: [max_position_embeddings, head_dim // 2] float32
+    rope_sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = _weight(config.hidden_size, dtype=dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _weight(config.vocab_size, config.hidden_size, dtype=dtype)
+        )
+        cos, sin = rope_cos_sin(config)  # [max_position_embeddings, head_dim // 2] each
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.eval()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden]."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors named as in a HF checkpoint into the (fused) parameters.
+
+        Casts to the model dtype on copy. Raises ModelLoadError on an unexpected name, a shape
+        mismatch, or when some parameter slice was never written.
+        """
+        targets = self._targets()
+        written: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (
+                name == "lm_head.weight" and self.lm_head is None
+            ):
+                continue  # tied checkpoints sometimes store the head as well
+            target = targets.get(name)
+            if target is None:
+                raise ModelLoadError(f"unexpected tensor {name!r} for {self.config.model_type}")
+            if target.shape != tensor.shape:
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            written.add(name)
+        missing = sorted(set(targets) - written)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelLoadError(f"missing {len(missing)} tensors: {shown}")
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> the view of our parameter it fills."""
+        targets: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens.data,
+            "model.norm.weight": self.norm.data,
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = self.lm_head.data
+        slices = _fused_slices(self.config)
+        for i, layer in enumerate(self.layers):
+            for suffix, (param_name, part) in _LAYER_PARAMS.items():
+                param = getattr(layer, param_name)
+                if param is None:
+                    continue  # no q/k/v bias in this architecture
+                view = param.data if part is None else param.data[slices[part]]
+                targets[f"model.layers.{i}.{suffix}"] = view
+        return targets
+
+
+def _fused_slices(config: ModelConfig) -> dict[str, slice]:
+    """Row ranges of each projection inside the fused qkv_proj and gate_up_proj."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    return {
+        "q": slice(0, q),
+        "k": slice(q, q + kv),
+        "v": slice(q + kv, q + 2 * kv),
+        "gate": slice(0, inter),
+        "up": slice(inter, 2 * inter),
+    }

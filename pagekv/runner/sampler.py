@@ -1,0 +1,205 @@
+"""Sampling one token per sequence from the last position's logits, as vLLM does.
+
+Owns no state between steps: per-request random generators belong to the caller (one per
+branch, seeded once), and the caller says how many tokens each row has generated so far.
+
+Order of operations for a non-greedy row::
+
+    raw logits -> min_tokens suppression -> / temperature -> top-k -> top-p -> min-p
+               -> softmax -> exponential race: argmax(probs / Exp(1) noise)
+
+The exponential race draws each seeded row's noise from that row's own generator, so a seeded
+request samples the same tokens alone or inside any batch. Logprobs are reported under the raw
+logits (before min_tokens, temperature and filters), as vLLM reports them by default.
+
+Must not import ``pagekv.core``, ``models`` or ``server``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagekv.sampling_params import SamplingParams
+
+# Below this temperature dividing the logits overflows toward inf - inf = NaN; such rows are
+# sampled greedily, which is what they converge to anyway (vLLM uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingRow:
+    """One sequence of the batch, as the sampler needs it.
+
+    ``generator``: the request's own generator (seeded once from ``params.seed`` + branch index),
+    or None to draw from the global RNG. ``num_generated`` counts this sequence's output tokens so
+    far; while it is below ``params.min_tokens``, EOS ids and ``stop_token_ids`` cannot be drawn.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    num_generated: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature < GREEDY_TEMPERATURE
+
+    def suppressed_token_ids(self) -> tuple[int, ...]:
+        """Token ids that must not be drawn this step (min_tokens not yet reached)."""
+        if self.num_generated >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return eos + self.params.stop_token_ids
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result, one entry per row."""
+
+    token_ids: list[int]
+    # The chosen token's logprob under log_softmax(raw logits); None if no row asked.
+    logprobs: list[float] | None
+    # Per row: the top-k (token id, logprob) under the raw logits when params.logprobs = k.
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    """Turns logits float32 [B, V] into one token per row. Stateless.
+
+    Filters are vectorized over the batch with per-row parameters as tensors, and a filter no
+    row uses is skipped, so an all-greedy batch costs one argmax.
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [B={len(rows)}, V], got {tuple(logits.shape)}")
+        logits = logits.float()  # [B, V]
+        processed = _suppress_stop_tokens(logits, rows)  # [B, V]
+        # Greedy for every row first (argmax breaks ties toward the lowest id); sampled rows
+        # are overwritten below.
+        token_ids = processed.argmax(dim=-1)  # int64 [B]
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)  # int64 [S]
+            token_ids[index] = _sample(processed[index], [rows[i] for i in sampled])
+        chosen, top = _logprobs(logits, token_ids, rows)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Set EOS and stop ids to -inf on rows still under min_tokens; copies only if needed.
+
+    logits: [B, V] -> [B, V]
+    """
+    vocab_size = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, row in enumerate(rows):
+        # An id outside the vocabulary can never be drawn, so there is nothing to suppress.
+        ids = [t for t in row.suppressed_token_ids() if t < vocab_size]
+        row_index.extend([i] * len(ids))
+        token_index.extend(ids)
+    if not row_index:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    logits[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = (
+        float("-inf")
+    )
+    return logits
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, filters, then the exponential race. logits: [S, V] -> int64 [S]."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device)  # [S]
+    scaled = logits / temperature[:, None]  # [S, V]
+    scaled = _apply_top_k_top_p(scaled, rows)
+    scaled = _apply_min_p(scaled, rows)
+    probs = torch.softmax(scaled, dim=-1)  # [S, V]
+    noise = _exponential_noise(probs, rows)  # [S, V]
+    return (probs / noise).argmax(dim=-1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Mask all but each row's top-k tokens, then all but its top-p nucleus.
+
+    logits: [S, V] -> [S, V]. The nucleus is the smallest set, in descending probability, whose
+    cumulative probability reaches top_p; the top token is always kept.
+    """
+    vocab_size = logits.shape[1]
+    top_k = [r.params.top_k or vocab_size for r in rows]
+    top_k = [min(k, vocab_size) for k in top_k]
+    # top_p = 1 rows get a threshold of 2 so float rounding in the cumsum can never trim them.
+    top_p = [r.params.top_p if r.params.top_p < 1 else 2.0 for r in rows]
+    if all(k == vocab_size for k in top_k) and all(p > 1 for p in top_p):
+        return logits
+    device = logits.device
+    # A stable sort keeps the choice among tied logits deterministic.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [S, V] each
+    rank = torch.arange(vocab_size, device=device)  # [V]
+    drop = rank[None, :] >= torch.tensor(top_k, device=device)[:, None]  # [S, V] sorted order
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [S, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [S, V], exclusive cumsum
+    drop |= mass_before >= torch.tensor(top_p, device=device)[:, None]
+    drop_original = torch.empty_like(drop).scatter_(-1, order, drop)  # [S, V] vocab order
+    return logits.masked_fill(drop_original, float("-inf"))
+
+
+def _apply_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the row's top probability.
+
+    logits: [S, V] -> [S, V]
+    """
+    min_p = [r.params.min_p for r in rows]
+    if not any(p > 0 for p in min_p):
+        return logits
+    probs = torch.softmax(logits, dim=-1)  # [S, V]
+    threshold = torch.tensor(min_p, device=logits.device) * probs.amax(dim=-1)  # [S]
+    return logits.masked_fill(probs < threshold[:, None], float("-inf"))
+
+
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Exp(1) noise [S, V]: seeded rows from their own generator, the rest from the global RNG.
+
+    Only this function loops per row, and only over seeded rows: each must consume exactly V
+    draws of its own generator per step, whatever else is in the batch.
+    """
+    noise = torch.empty_like(probs)  # [S, V]
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        noise.exponential_()
+    elif unseeded:
+        index = torch.tensor(unseeded, device=probs.device)
+        noise[index] = torch.empty_like(noise[index]).exponential_()
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i].exponential_(generator=row.generator)
+    # An Exp(1) draw can be exactly 0; p / 0 would be inf (or NaN for a masked p = 0).
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[list[float] | None, list[list[tuple[int, float]] | None]]:
+    """Chosen-token logprob for every row and top-k alternatives, under the raw logits.
+
+    logits: [B, V]; token_ids: int64 [B]. Computed only when some row asked.
+    """
+    wanted = [r.params.logprobs for r in rows]
+    top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    if all(k is None for k in wanted):
+        return None, top
+    raw = torch.log_softmax(logits, dim=-1)  # [B, V]
+    chosen = raw.gather(1, token_ids[:, None]).squeeze(1).tolist()  # [B]
+    asking = {i: k for i, k in enumerate(wanted) if k is not None}  # row -> k
+    max_k = min(max(asking.values()), logits.shape[1])
+    index = torch.tensor(list(asking), device=logits.device)  # [A]
+    values, ids = raw[index].topk(max_k, dim=-1)  # [A, max_k] each
+    for a, (i, k) in enumerate(asking.items()):
+        top[i] = list(zip(ids[a, :k].tolist(), values[a, :k].tolist(), strict=True))
+    return chosen, top

@@ -1,0 +1,197 @@
+"""The engine and offline API as a user meets them: bad input, abort, stop strings, n, chat, CLI."""
+
+from __future__ import annotations
+
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagekv import InvalidRequestError, SamplingParams
+from pagekv.config import EngineConfig
+from pagekv.core.invariants import check_manager, check_no_leak
+from pagekv.engine import LLMEngine
+from pagekv.errors import ModelLoadError, PromptTooLongError
+from pagekv.llm import LLM
+from pagekv.models.loader import LoadedModel
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def llm(loaded: LoadedModel) -> LLM:
+    engine = LLMEngine(EngineConfig(num_kv_blocks=256, check_invariants=True), loaded)
+    return LLM.from_engine(engine)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def assert_untouched(llm: LLM) -> None:
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0
+    assert stats["num_waiting"] == stats["num_running"] == 0
+    assert not llm.engine.has_unfinished_requests()
+    check_manager(llm.engine.kv)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param"),
+    [
+        ("", GREEDY, "prompt"),
+        ({"prompt_token_ids": []}, GREEDY, "prompt"),
+        ({"prompt_token_ids": [1, -5]}, GREEDY, "prompt"),
+        ({"prompt_token_ids": [10**9]}, GREEDY, "prompt"),
+        ("hello " * 9000, GREEDY, "prompt"),
+    ],
+)
+def test_bad_prompts_raise_typed_errors_and_leave_nothing(
+    llm: LLM, prompt: object, params: SamplingParams, param: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(prompt, params, use_tqdm=False)  # type: ignore[arg-type]
+    assert info.value.param == param
+    assert_untouched(llm)
+    # ... and the engine keeps serving.
+    assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -3}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_bad_sampling_params_name_the_parameter(kwargs: dict[str, object], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert info.value.param == param
+    assert param in str(info.value)
+
+
+def test_prompt_beyond_pool_is_rejected_before_allocation(loaded: LoadedModel) -> None:
+    engine = LLMEngine(EngineConfig(num_kv_blocks=4, block_size=16, check_invariants=True), loaded)
+    llm = LLM.from_engine(engine)
+    with pytest.raises(PromptTooLongError):
+        llm.generate("word " * 80, GREEDY, use_tqdm=False)
+    assert_untouched(llm)
+    assert engine.stats()["rejected_requests"] == 1
+
+
+def test_one_bad_prompt_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine", "also fine", ""], GREEDY, use_tqdm=False)
+    assert_untouched(llm)
+
+
+def test_abort_mid_generation_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("a", "Tell me a long story about dragons.", SamplingParams(max_tokens=200))
+    for _ in range(5):
+        engine.step()
+    assert engine.stats()["kv_blocks_used"] > 0
+    assert engine.abort_request("a") is True
+    assert engine.abort_request("a") is False
+    assert engine.abort_request("never-existed") is False
+    check_no_leak(engine.kv)
+
+
+def test_stop_strings_and_stop_tokens(llm: LLM) -> None:
+    base = llm.generate(
+        "1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False
+    )
+    text = base[0].outputs[0].text
+    assert "8" in text, text
+    cut = llm.generate(
+        "1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=20, stop=["8"]), use_tqdm=False
+    )[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "8"
+    assert cut.text == text[: text.index("8")]
+    kept = llm.generate(
+        "1, 2, 3, 4, 5,",
+        SamplingParams(temperature=0, max_tokens=20, stop=["8"], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: text.index("8") + 1]
+    first = base[0].outputs[0].token_ids[2]
+    by_id = llm.generate(
+        "1, 2, 3, 4, 5,",
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[first]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert by_id.token_ids == base[0].outputs[0].token_ids[:3]
+    assert by_id.stop_reason == first and by_id.finish_reason == "stop"
+    check_no_leak(llm.engine.kv)
+
+
+def test_eos_ends_generation_and_chat_template(llm: LLM) -> None:
+    out = llm.chat(
+        [{"role": "user", "content": "Say hello."}],
+        SamplingParams(temperature=0, max_tokens=200),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.get_tokenizer().eos_token_ids
+    assert out.text and "<|im_end|>" not in out.text
+
+
+def test_n_branches_with_seeds_are_returned_in_order(llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    out = llm.generate("Pick a random animal:", params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    for i, c in enumerate(out.outputs):
+        single = SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6, ignore_eos=True)
+        alone = llm.generate("Pick a random animal:", single, use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == alone.token_ids
+    check_no_leak(llm.engine.kv)
+
+
+def test_stats_report_capacity_and_usage(llm: LLM) -> None:
+    prompt = " ".join(list(string.ascii_lowercase) * 2)
+    same_step = llm.generate([prompt] * 2, GREEDY, use_tqdm=False)
+    # Admitted in one step, neither can hit: blocks join the cache only once computed.
+    assert [o.num_cached_tokens for o in same_step] == [0, 0]
+    later = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert later.num_cached_tokens == 48  # 3 full blocks of the 52 prompt tokens; last recomputed
+    s = llm.stats()
+    assert s["kv_blocks_total"] == 256
+    assert s["kv_blocks_free"] + s["kv_blocks_used"] + s["kv_blocks_evictable"] == 256
+    assert s["prefix_cache_hit_tokens"] == 48
+    assert "KV cache: 256 blocks x 16 tokens" in llm.engine.capacity_line
+
+
+def test_unknown_and_corrupt_model_paths(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError):
+        LLM(model=str(tmp_path / "nope.gguf"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelLoadError):
+        LLM(model=str(bad))
+
+
+def test_cli_generate_prints_a_sensible_continuation() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagekv.cli",
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "KV cache:" in proc.stderr and "max concurrency" in proc.stderr

@@ -1,0 +1,201 @@
+"""Sampler: greedy, filters, seeded reproducibility inside batches, distribution, logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagekv.runner.sampler import Sampler, SamplingRow
+from pagekv.sampling_params import SamplingParams
+
+
+def _logits(num_rows: int, vocab_size: int, seed: int, spread: float = 3.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, vocab_size, generator=gen) * spread  # [B, V]
+
+
+def _rows(params: SamplingParams, num_rows: int) -> list[SamplingRow]:
+    return [SamplingRow(params, None) for _ in range(num_rows)]
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
+    logits = _logits(32, 100, seed=0)
+    logits[0, [7, 3, 50]] = 100.0  # three-way tie: id 3 must win
+    logits_before = logits.clone()
+    out = Sampler()(logits, _rows(SamplingParams(temperature=0.0), 32))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids[0] == 3
+    assert out.logprobs is None and out.top_logprobs == [None] * 32
+    assert torch.equal(logits, logits_before)  # the caller's logits are not modified
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=2.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ],
+)
+def test_degenerate_filters_equal_greedy(params: SamplingParams) -> None:
+    logits = _logits(64, 500, seed=1)
+    torch.manual_seed(0)
+    out = Sampler()(logits, _rows(params, 64))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def _allowed(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """Tokens the filters may keep, computed independently in plain Python (one row [V])."""
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    if params.top_k is not None:
+        order = order[: params.top_k]
+    total = sum(probs[t] for t in order)
+    kept, mass = [], 0.0
+    for t in order:
+        kept.append(t)
+        mass += probs[t] / total
+        if mass >= params.top_p:
+            break
+    top = max(probs[t] for t in kept)
+    kept_mass = sum(probs[t] for t in kept)
+    return {t for t in kept if probs[t] / kept_mass >= params.min_p * top / kept_mass}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.6),
+        SamplingParams(temperature=0.8, min_p=0.1),
+        SamplingParams(temperature=1.5, top_k=20, top_p=0.8, min_p=0.05),
+    ],
+)
+def test_filters_never_pick_a_filtered_token(params: SamplingParams) -> None:
+    row_logits = _logits(1, 64, seed=2, spread=1.5)[0]  # [V]
+    allowed = _allowed(row_logits, params)
+    torch.manual_seed(1)
+    out = Sampler()(row_logits.expand(4000, -1), _rows(params, 4000))
+    picked = set(out.token_ids)
+    assert picked <= allowed
+    assert len(picked) >= min(len(allowed), 3)  # and it really samples, not just argmax
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.5, 1.0, 1.7]),
+        top_k=rng.choice([None, 1, 10, 200]),
+        top_p=rng.choice([1.0, 0.9, 0.3]),
+        min_p=rng.choice([0.0, 0.0, 0.05]),
+        logprobs=rng.choice([None, 0, 3]),
+    )
+
+
+def test_seeded_row_is_identical_alone_and_in_batches() -> None:
+    vocab_size, num_steps = 1000, 6
+    params = SamplingParams(temperature=1.2, top_p=0.95, seed=1234)
+    step_logits = [_logits(1, vocab_size, seed=100 + s, spread=2.0)[0] for s in range(num_steps)]
+    sampler = Sampler()
+
+    alone_gen = torch.Generator().manual_seed(1234)
+    alone = [
+        sampler(step_logits[s][None], [SamplingRow(params, alone_gen)]).token_ids[0]
+        for s in range(num_steps)
+    ]
+    assert len(set(alone)) > 1  # the generator advances between steps
+
+    rng = random.Random(0)
+    batch_gen = torch.Generator().manual_seed(1234)
+    others = [
+        SamplingRow(
+            _random_params(rng),
+            torch.Generator().manual_seed(rng.randrange(10**6)) if rng.random() < 0.5 else None,
+        )
+        for _ in range(16)
+    ]
+    torch.manual_seed(7)
+    for s in range(num_steps):
+        position = rng.randrange(17)  # the seeded row moves around the batch
+        rows = [*others[:position], SamplingRow(params, batch_gen), *others[position:]]
+        logits = _logits(17, vocab_size, seed=200 + s, spread=2.0)
+        logits[position] = step_logits[s]
+        assert sampler(logits, rows).token_ids[position] == alone[s]
+
+
+def test_frequencies_match_tempered_softmax() -> None:
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
+    temperature, num_draws = 0.7, 40_000
+    torch.manual_seed(3)
+    out = Sampler()(
+        logits.expand(num_draws, -1), _rows(SamplingParams(temperature=temperature), num_draws)
+    )
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=6).double()
+    freq = counts / num_draws
+    expected = torch.softmax(logits.double() / temperature, dim=-1)
+    std = (expected * (1 - expected) / num_draws).sqrt()
+    assert torch.all((freq - expected).abs() < 5 * std + 1e-4), (freq, expected)
+
+
+def test_seeded_generator_frequencies_match_softmax() -> None:
+    logits = torch.tensor([[0.5, -0.3, 1.2, 0.0]])
+    gen = torch.Generator().manual_seed(11)
+    row = SamplingRow(SamplingParams(temperature=1.0, seed=11), gen)
+    num_draws, sampler = 4000, Sampler()
+    tokens = [sampler(logits, [row]).token_ids[0] for _ in range(num_draws)]
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).double() / num_draws
+    expected = torch.softmax(logits[0].double(), dim=-1)
+    std = (expected * (1 - expected) / num_draws).sqrt()
+    assert torch.all((freq - expected).abs() < 5 * std), (freq, expected)
+
+
+def test_logprobs_are_under_raw_logits() -> None:
+    logits = _logits(4, 50, seed=4)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=5)),
+        SamplingRow(SamplingParams(temperature=0.5, top_k=3, logprobs=2)),
+        SamplingRow(SamplingParams(temperature=1.0)),
+        SamplingRow(SamplingParams(temperature=1.0, logprobs=0)),
+    ]
+    torch.manual_seed(5)
+    out = Sampler()(logits, rows)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs is not None
+    for i, token in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(raw[i, token].item(), abs=1e-6)
+    for i, k in [(0, 5), (1, 2)]:
+        top = out.top_logprobs[i]
+        assert top is not None and len(top) == k
+        values, ids = raw[i].topk(k)
+        assert [t for t, _ in top] == ids.tolist()
+        assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert out.top_logprobs[2] is None
+    assert out.top_logprobs[3] == []
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
+    eos, stop = 4, 9
+    logits = _logits(3, 20, seed=6)
+    logits[:, eos] = 50.0
+    logits[:, stop] = 40.0
+    sampler = Sampler()
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, min_tokens=3, stop_token_ids=(stop,))
+        early = [SamplingRow(params, None, num_generated=n, eos_token_ids=(eos,)) for n in range(3)]
+        torch.manual_seed(8)
+        tokens = sampler(logits, early).token_ids
+        assert eos not in tokens and stop not in tokens
+        done = SamplingRow(params, None, num_generated=3, eos_token_ids=(eos,))
+        assert sampler(logits[:1], [done]).token_ids == [eos]
+
+    ignore = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(stop,), ignore_eos=True)
+    row = SamplingRow(ignore, None, num_generated=0, eos_token_ids=(eos,))
+    assert sampler(logits[:1], [row]).token_ids == [eos]  # eos is not a stop when ignored
+    logits[0, eos] = -50.0
+    assert sampler(logits[:1], [row]).token_ids != [stop]  # stop ids still suppressed
+
+
+def test_rejects_mismatched_rows() -> None:
+    with pytest.raises(ValueError):
+        Sampler()(torch.zeros(2, 5), _rows(SamplingParams(), 3))
