@@ -63,10 +63,13 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        first = messages[0]
-        conversations = [messages] if isinstance(first, Mapping) else list(messages)
+        conversations: list[Sequence[Message]] = (
+            [messages]  # type: ignore[list-item]
+            if isinstance(messages[0], Mapping)
+            else list(messages)  # type: ignore[arg-type]
+        )
         tok = self.engine.tokenizer
-        texts = [tok.apply_chat_template([dict(m) for m in c]) for c in conversations]  # type: ignore[union-attr]
+        texts = [tok.apply_chat_template([dict(m) for m in c]) for c in conversations]
         return self.generate(texts, sampling_params, use_tqdm)
 
     def _run(

@@ -13,9 +13,10 @@ Glossary:
 """
 
 from pagekv.core.block_pool import BlockPool, BlockState
-from pagekv.core.kv_cache_manager import KVCacheManager, KVUsage
+from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import BlockTransfers, Plan, ScheduledRequest
 from pagekv.core.request import Request, RequestStatus
+from pagekv.core.usage import KVUsage
 
 __all__ = [
     "BlockPool",

@@ -26,6 +26,7 @@ from pagekv.core.block_pool import BlockPool
 from pagekv.core.plan import BlockPair, BlockTransfers
 from pagekv.core.prefix_cache import extend_hash_chain
 from pagekv.core.request import Request
+from pagekv.core.usage import KVUsage
 from pagekv.errors import InvalidRequestError, PromptTooLongError, UnknownRequestError
 
 
@@ -40,31 +41,6 @@ class _Table:
     request: Request
     blocks: list[int]
     num_committed: int = 0  # blocks[:num_committed] are known to the prefix cache
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """A snapshot of the device pool, for stats and metrics."""
-
-    num_blocks: int
-    num_free_blocks: int  # FREE only
-    num_used_blocks: int
-    num_evictable_blocks: int
-    num_slots_allocated: int  # used blocks x block size
-    num_tokens_stored: int  # computed tokens in used blocks, shared blocks counted once
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_cow_copies: int
-    num_swapped_out_blocks: int
-    num_swapped_in_blocks: int
-    num_evictions: int
-
-    @property
-    def internal_fragmentation(self) -> float:
-        """Share of allocated slots that hold no token (the tails of last blocks)."""
-        if self.num_slots_allocated == 0:
-            return 0.0
-        return 1.0 - self.num_tokens_stored / self.num_slots_allocated
 
 
 class KVCacheManager:
@@ -403,27 +379,8 @@ class KVCacheManager:
     # ---- reporting ------------------------------------------------------------------------------
 
     def usage(self) -> KVUsage:
-        fill: dict[int, int] = {}
-        for table in self._tables.values():
-            computed = table.request.num_computed_tokens
-            for i, block_id in enumerate(table.blocks):
-                tokens = min(self.block_size, max(0, computed - i * self.block_size))
-                fill[block_id] = max(fill.get(block_id, 0), tokens)
-        pool = self.pool
-        return KVUsage(
-            num_blocks=pool.num_blocks,
-            num_free_blocks=pool.num_free_blocks - pool.num_evictable_blocks,
-            num_used_blocks=pool.num_used_blocks,
-            num_evictable_blocks=pool.num_evictable_blocks,
-            num_slots_allocated=pool.num_used_blocks * self.block_size,
-            num_tokens_stored=sum(fill.values()),
-            prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens,
-            num_cow_copies=self.num_cow_copies,
-            num_swapped_out_blocks=self.num_swapped_out_blocks,
-            num_swapped_in_blocks=self.num_swapped_in_blocks,
-            num_evictions=pool.num_evictions,
-        )
+        """A snapshot of the device pool and the counters (see ``core/usage.py``)."""
+        return KVUsage.of(self)
 
     def _table(self, request_id: str) -> _Table:
         table = self._tables.get(request_id)

@@ -1,0 +1,61 @@
+"""Usage figures of the KV cache: a frozen snapshot for stats, metrics and benchmarks.
+
+Owns nothing; reads the manager. Must not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagekv.core.kv_cache_manager import KVCacheManager
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of the device pool, for stats and metrics."""
+
+    num_blocks: int
+    num_free_blocks: int  # FREE only
+    num_used_blocks: int
+    num_evictable_blocks: int
+    num_slots_allocated: int  # used blocks x block size
+    num_tokens_stored: int  # computed tokens in used blocks, shared blocks counted once
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_cow_copies: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+    num_evictions: int
+
+    @property
+    def internal_fragmentation(self) -> float:
+        """Share of allocated slots that hold no token (the tails of last blocks)."""
+        if self.num_slots_allocated == 0:
+            return 0.0
+        return 1.0 - self.num_tokens_stored / self.num_slots_allocated
+
+    @classmethod
+    def of(cls, manager: KVCacheManager) -> KVUsage:
+        fill: dict[int, int] = {}
+        for table in manager._tables.values():
+            computed = table.request.num_computed_tokens
+            for i, block_id in enumerate(table.blocks):
+                tokens = min(manager.block_size, max(0, computed - i * manager.block_size))
+                fill[block_id] = max(fill.get(block_id, 0), tokens)
+        pool = manager.pool
+        return cls(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks - pool.num_evictable_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_evictable_blocks=pool.num_evictable_blocks,
+            num_slots_allocated=pool.num_used_blocks * manager.block_size,
+            num_tokens_stored=sum(fill.values()),
+            prefix_query_tokens=manager.prefix_query_tokens,
+            prefix_hit_tokens=manager.prefix_hit_tokens,
+            num_cow_copies=manager.num_cow_copies,
+            num_swapped_out_blocks=manager.num_swapped_out_blocks,
+            num_swapped_in_blocks=manager.num_swapped_in_blocks,
+            num_evictions=pool.num_evictions,
+        )
