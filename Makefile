@@ -17,7 +17,7 @@ lint:
 	$(PY) -m mypy pagekv
 
 test: install lint
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q
 
 bench: install
 	$(PY) benchmarks/bench_core.py

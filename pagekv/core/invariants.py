@@ -52,6 +52,10 @@ def check_pool(pool: BlockPool) -> None:
     if len(free) != len(set(free)):
         _fail("free list holds a block twice", pool, [b for b, n in Counter(free).items() if n > 1])
     free_set, evictable = set(free), set(pool._evictable)
+    strays = [b for b in free_set | evictable if not 0 <= b < pool.num_blocks]
+    if strays:
+        named = ", ".join(f"block {b}" for b in sorted(strays))
+        raise InvariantError(f"free list or LRU holds ids outside the pool: {named}")
     if free_set & evictable:
         _fail("block both free and evictable", pool, free_set & evictable)
     bad = [b for b in range(pool.num_blocks) if not _state_ok(pool, b, free_set, evictable)]
@@ -124,8 +128,9 @@ def _check_twins(manager: KVCacheManager) -> None:
             _fail(f"twin of device block {d} (host {h}) is not mutual", pool, [d])
         if pool._ref[d] == 0 or host is None or host._ref[h] == 0:
             _fail(f"twin of device block {d} (host {h}) is not alive on both sides", pool, [d])
-    if len(manager._device_twin) != len(manager._host_twin):
-        _fail("twin maps differ in size", pool, [])
+    for h, d in manager._device_twin.items():
+        if manager._host_twin.get(d) != h:
+            _fail(f"twin of host block {h} (device {d}) is not mutual", pool, [d])
 
 
 def check_plan(manager: KVCacheManager, plan: Plan) -> None:

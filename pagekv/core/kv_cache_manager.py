@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagekv.core.block_pool import BlockPool
-from pagekv.core.plan import BlockPair, BlockTransfers
+from pagekv.core.plan import BlockTransfers
 from pagekv.core.prefix_cache import extend_hash_chain
 from pagekv.core.request import Request
 from pagekv.core.usage import KVUsage
@@ -53,6 +53,10 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
     ) -> None:
+        if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
+            raise InvalidRequestError(
+                f"num_host_blocks must be >= 0, got {num_host_blocks!r}", "num_host_blocks"
+            )
         self.pool = BlockPool(num_blocks, block_size)
         self.host_pool = BlockPool(num_host_blocks, block_size) if num_host_blocks > 0 else None
         self.block_size = block_size
@@ -61,9 +65,11 @@ class KVCacheManager:
         self._host_tables: dict[str, _Table] = {}
         self._pins: Counter[int] = Counter()  # device transfer sources, until taken
         self._host_pins: Counter[int] = Counter()
-        self._swap_out: list[BlockPair] = []
-        self._swap_in: list[BlockPair] = []
-        self._copies: list[BlockPair] = []
+        # Pending transfers, keyed by destination so releasing a destination cancels its move:
+        self._swap_out: dict[int, int] = {}  # host block <- device block
+        self._swap_in: dict[int, int] = {}  # device block <- host block (source pinned)
+        # Pending copy-on-write copies, destination -> source, in the order they were made.
+        self._copies: dict[int, int] = {}
         # Twins: a device block and a host block known to hold the same K/V, so a block shared
         # by two swapped requests moves once. Broken when either side is written or released.
         self._host_twin: dict[int, int] = {}
@@ -193,13 +199,34 @@ class KVCacheManager:
         table = self._tables.get(request.request_id)
         if table is None:
             raise UnknownRequestError(f"request {request.request_id!r} holds no device blocks")
+        if num_new_tokens < 1:
+            raise InvalidRequestError(
+                f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens"
+            )
+        # The decode hot path (256 requests a step): plain arithmetic on locals, no helpers.
         blocks, block_size, ref = table.blocks, self.block_size, self.pool._ref
         start = request.num_computed_tokens
-        end = start + num_new_tokens
-        num_grow = cdiv(end, block_size) - len(blocks)
-        written = range(start // block_size, min(len(blocks), cdiv(end, block_size)))
-        shared = [i for i in written if ref[blocks[i]] > 1]
-        if max(num_grow, 0) + len(shared) + reserve_blocks > self.pool.num_free_blocks:
+        first, last = start // block_size, (start + num_new_tokens - 1) // block_size
+        if first == last < len(blocks) and ref[blocks[first]] == 1:
+            # Writes land in one block this request alone holds: nothing to allocate or copy.
+            if self._host_twin:
+                self._break_twin(blocks[first])
+            return True
+        if first == last == len(blocks):
+            # A decode that opens a new block: one allocation, nothing shared to copy.
+            if self.pool.num_free_blocks <= reserve_blocks:
+                return False
+            blocks.append(self.pool.allocate_one())
+            return True
+        num_grow = last + 1 - len(blocks)
+        written = range(first, min(len(blocks), last + 1))
+        if first == last:
+            shared = [first] if first < len(blocks) and ref[blocks[first]] > 1 else []
+        else:
+            shared = [i for i in written if ref[blocks[i]] > 1]
+        if (num_grow > 0 or shared) and (
+            max(num_grow, 0) + len(shared) + reserve_blocks > self.pool.num_free_blocks
+        ):
             return False
         for i in shared:
             self._copy_on_write(blocks, i)
@@ -211,12 +238,16 @@ class KVCacheManager:
         return True
 
     def _copy_on_write(self, blocks: list[int], index: int) -> None:
-        src = blocks[index]
+        shared = blocks[index]
+        # A block that is itself the destination of a pending copy holds nothing yet: copy
+        # from that copy's (pinned) source, since copies of one plan apply all at once.
+        src = self._copies.get(shared, shared)
         dst = self.pool.allocate_one()
-        # The table's reference on src becomes a pin: src stays alive until the copy is taken.
-        self._pins[src] += 1
+        self._pins[src] += 1  # src stays alive (and unwritten) until the copy is taken
+        self.pool.touch([src])
         blocks[index] = dst
-        self._copies.append((src, dst))
+        self._release(self.pool, [shared])  # the table's reference moves to dst
+        self._copies[dst] = src
         self.num_cow_copies += 1
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -255,9 +286,9 @@ class KVCacheManager:
         Called after the step that wrote them, never before: a block is a cache hit only once
         its K/V exists.
         """
+        table = self._table(request.request_id)
         if not self.enable_prefix_caching:
             return
-        table = self._table(request.request_id)
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= table.num_committed:
             return
@@ -303,20 +334,20 @@ class KVCacheManager:
         num_moves = sum(1 for h in host_table.blocks if h not in self._device_twin)
         if num_moves > self.pool.num_free_blocks:
             return False
-        moves_before = len(self._swap_in)
         blocks = self._move(host_table.blocks, False, self._swap_in)
-        for host_block, _ in self._swap_in[moves_before:]:
-            self._host_pins[host_block] += 1  # sources stay alive until the plan is taken
-        assert self.host_pool is not None
-        self.host_pool.touch([h for h, _ in self._swap_in[moves_before:]])
+        assert self.host_pool is not None  # a host table implies a host pool
         del self._host_tables[request_id]
         self._release(self.host_pool, host_table.blocks[::-1])
         self._tables[request_id] = _Table(host_table.request, blocks)
         self.num_swapped_in_blocks += num_moves
         return True
 
-    def _move(self, blocks: Sequence[int], to_host: bool, moves: list[BlockPair]) -> list[int]:
-        """Map each block to the other pool: its live twin, or a new block plus a move."""
+    def _move(self, blocks: Sequence[int], to_host: bool, moves: dict[int, int]) -> list[int]:
+        """Map each block to the other pool: its live twin, or a new block plus a move.
+
+        A swap-in's host source is pinned until the plan is taken, so no swap-out of the same
+        step can overwrite it. (A swap-out's device source needs no pin: swap-outs run first.)
+        """
         dst_pool = self.host_pool if to_host else self.pool
         assert dst_pool is not None
         twin, back = (
@@ -331,18 +362,52 @@ class KVCacheManager:
                 target = dst_pool.allocate_one()
                 twin[block_id] = target
                 back[target] = block_id
-                moves.append((block_id, target))
+                if to_host:
+                    # A pending copy's destination is not written yet: move from its source.
+                    moves[target] = self._copies.get(block_id, block_id)
+                else:
+                    moves[target] = block_id
+                    self._pin_host(block_id)
             else:
                 dst_pool.touch([target])
             out.append(target)
         return out
 
     def _release(self, pool: BlockPool, blocks: Sequence[int]) -> None:
+        """Free blocks. A block reaching ref 0 loses its twin, and any pending transfer into it
+        is cancelled: nobody will read it, and it may be handed out again this very step."""
         pool.free(blocks)
-        if self._host_twin:
-            for block_id in blocks:
-                if pool._ref[block_id] == 0:
-                    self._break_twin(block_id, host=pool is self.host_pool)
+        if not (self._host_twin or self._copies or self._swap_in or self._swap_out):
+            return
+        is_host = pool is self.host_pool
+        for block_id in blocks:
+            if pool._ref[block_id] != 0:
+                continue
+            self._break_twin(block_id, host=is_host)
+            if is_host:
+                self._swap_out.pop(block_id, None)
+            elif block_id in self._copies:
+                self._unpin(self._copies.pop(block_id))
+            elif block_id in self._swap_in:
+                self._unpin_host(self._swap_in.pop(block_id))
+
+    def _unpin(self, block_id: int) -> None:
+        self._pins[block_id] -= 1
+        if self._pins[block_id] == 0:
+            del self._pins[block_id]
+        self._release(self.pool, [block_id])
+
+    def _pin_host(self, block_id: int) -> None:
+        assert self.host_pool is not None
+        self._host_pins[block_id] += 1
+        self.host_pool.touch([block_id])
+
+    def _unpin_host(self, block_id: int) -> None:
+        assert self.host_pool is not None
+        self._host_pins[block_id] -= 1
+        if self._host_pins[block_id] == 0:
+            del self._host_pins[block_id]
+        self._release(self.host_pool, [block_id])
 
     def _break_twin(self, block_id: int, host: bool = False) -> None:
         if host:
@@ -358,7 +423,11 @@ class KVCacheManager:
 
     def take_transfers(self) -> BlockTransfers:
         """Hand out the pending transfers (in apply order) and release their sources' pins."""
-        transfers = BlockTransfers(tuple(self._swap_out), tuple(self._swap_in), tuple(self._copies))
+        transfers = BlockTransfers(
+            swap_out=tuple((src, dst) for dst, src in self._swap_out.items()),
+            swap_in=tuple((src, dst) for dst, src in self._swap_in.items()),
+            copies=tuple((src, dst) for dst, src in self._copies.items()),
+        )
         self._swap_out.clear()
         self._swap_in.clear()
         self._copies.clear()
@@ -371,10 +440,6 @@ class KVCacheManager:
             self._host_pins.clear()
             self._release(self.host_pool, pinned)
         return transfers
-
-    def take_copies(self) -> list[BlockPair]:
-        """Only the copy-on-write pairs (for callers that do not swap); see ``take_transfers``."""
-        return list(self.take_transfers().copies)
 
     # ---- reporting ------------------------------------------------------------------------------
 
