@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,7 +18,13 @@ from pagekv.config import EngineConfig, parse_bytes
 from pagekv.core import invariants
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.request import Request, RequestStatus
-from pagekv.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
+from pagekv.core.scheduler import (
+    PreemptionCostModel,
+    PreemptionMode,
+    Scheduler,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
 from pagekv.detokenizer import IncrementalDetokenizer
 from pagekv.errors import InvalidRequestError
 from pagekv.models.loader import LoadedModel, load_model
@@ -105,7 +111,12 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            block_size=config.block_size,
             preemption_mode=PreemptionMode(config.preemption_mode),
+            policy=SchedulingPolicy(config.scheduling_policy),
+            priority_aging_steps=config.priority_aging_steps,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            cost_model=config.preemption_cost or PreemptionCostModel(),
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, num_host)
@@ -183,7 +194,16 @@ class LLMEngine:
         self._groups[request_id] = group
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
-            self.scheduler.add(branch.request)
+        parent, *children = [b.request for b in group.branches]
+        if children and len(ids) > 1:
+            # Parallel sampling: prefill once; the branches fork off the parent's blocks.
+            for child in children:
+                child.status = RequestStatus.FORK_PENDING
+            parent.fork_children = children
+            self.scheduler.add(parent)
+        else:
+            for request in (parent, *children):
+                self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> bool:
         """End a request wherever it is, releasing its blocks now. False if unknown or done."""
@@ -265,7 +285,6 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """The engine's counters as a plain dict (the numbers the server exports)."""
         usage = self.kv.usage()
-        c = self.scheduler.counters
         return {
             "kv_blocks_total": usage.num_blocks,
             "kv_blocks_free": usage.num_free_blocks,
@@ -281,12 +300,46 @@ class LLMEngine:
             "cow_copies": usage.num_cow_copies,
             "swapped_out_blocks": usage.num_swapped_out_blocks,
             "swapped_in_blocks": usage.num_swapped_in_blocks,
-            "preemptions_recompute": c.num_preemptions_recompute,
-            "preemptions_swap": c.num_preemptions_swap,
-            "recomputed_tokens": c.num_recomputed_tokens,
-            "rejected_requests": c.num_rejected,
+            **asdict(self.scheduler.counters),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_swapped": len(self.scheduler.swapped),
             "steps": self.scheduler.step,
+        }
+
+    def block_map(self) -> dict[str, Any]:
+        """Every device block's state, ref count, prefix hash and owners, as plain JSON data.
+
+        ``blocks`` is indexed by physical block id; ``hash`` is hex (None if uncommitted);
+        ``owners`` are the request ids whose block table points at the block. ``requests`` maps
+        each request with a device table to it; ``swapped`` each swapped-out request to its
+        host block table. Read-only; call it from the thread that steps the engine.
+        """
+        pool = self.kv.pool
+        requests = {rid: list(self.kv.block_table(rid)) for rid in self.kv.request_ids()}
+        owners: dict[int, list[str]] = {}
+        for rid, table in requests.items():
+            for block_id in dict.fromkeys(table):
+                owners.setdefault(block_id, []).append(rid)
+        blocks = []
+        for b in range(pool.num_blocks):
+            block_hash = pool.block_hash(b)
+            blocks.append(
+                {
+                    "id": b,
+                    "state": pool.state(b).value,
+                    "ref_count": pool.ref_count(b),
+                    "hash": None if block_hash is None else block_hash.hex(),
+                    "owners": owners.get(b, []),
+                }
+            )
+        swapped = {
+            rid: list(self.kv.host_block_table(rid)) for rid in self.kv.swapped_request_ids()
+        }
+        return {
+            "num_blocks": pool.num_blocks,
+            "block_size": self.config.block_size,
+            "blocks": blocks,
+            "requests": requests,
+            "swapped": swapped,
         }

@@ -6,6 +6,7 @@ Owns nothing but its engine; every call runs the engine's step loop until its re
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        print(self.engine.capacity_line, file=sys.stderr)
         self._ids = itertools.count()
 
     @classmethod

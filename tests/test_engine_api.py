@@ -195,3 +195,15 @@ def test_cli_generate_prints_a_sensible_continuation() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "KV cache:" in proc.stderr and "max concurrency" in proc.stderr
+
+
+def test_cli_chat_answers_and_ends_on_empty_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagekv.cli", "chat", "--max-tokens", "24"],
+        input="What is the capital of France?\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout

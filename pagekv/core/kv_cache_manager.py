@@ -108,6 +108,14 @@ class KVCacheManager:
     def host_pins(self) -> Counter[int]:
         return Counter(self._host_pins)
 
+    def block_owners(self) -> dict[int, list[str]]:
+        """Device block -> the requests whose tables point at it (for checks and the block map)."""
+        owners: dict[int, list[str]] = {}
+        for rid, table in self._tables.items():
+            for block_id in table.blocks:
+                owners.setdefault(block_id, []).append(rid)
+        return owners
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
@@ -121,11 +129,11 @@ class KVCacheManager:
         return self._num_missing(request, hits, num_new_tokens) + reserve_blocks <= self._room(hits)
 
     def _find_hits(self, request: Request) -> list[int]:
-        # Hits cover whole blocks of the first num_tokens - 1 tokens: the last token is always
-        # computed, so a request never has to write into a block it found in the cache.
+        # Hits cover whole blocks before the last target token: that token is always computed
+        # (so the request samples from fresh logits and never writes into a block it found).
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = (request.num_target_tokens - 1) // self.block_size
         chain = request.block_hashes
         if len(chain) < max_blocks:
             tokens = request.all_token_ids[: max_blocks * self.block_size]
@@ -220,10 +228,7 @@ class KVCacheManager:
             return True
         num_grow = last + 1 - len(blocks)
         written = range(first, min(len(blocks), last + 1))
-        if first == last:
-            shared = [first] if first < len(blocks) and ref[blocks[first]] > 1 else []
-        else:
-            shared = [i for i in written if ref[blocks[i]] > 1]
+        shared = [i for i in written if ref[blocks[i]] > 1]
         if (num_grow > 0 or shared) and (
             max(num_grow, 0) + len(shared) + reserve_blocks > self.pool.num_free_blocks
         ):
@@ -297,7 +302,13 @@ class KVCacheManager:
             tokens = request.all_token_ids[: num_full * self.block_size]
             extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
         for i in range(table.num_committed, num_full):
-            self.pool.commit(table.blocks[i], chain[i])
+            block_id = table.blocks[i]
+            if block_id in self._copies or block_id in self._swap_in:
+                # Its K/V arrives with a transfer not yet applied: not a cache hit until then
+                # (and a pending transfer is only ever cancelled into a block nobody caches).
+                num_full = i
+                break
+            self.pool.commit(block_id, chain[i])
         table.num_committed = num_full
 
     def reset_prefix_cache(self) -> int:

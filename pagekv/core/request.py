@@ -16,6 +16,7 @@ from pagekv.sampling_params import SamplingParams
 
 class RequestStatus(Enum):
     WAITING = "waiting"
+    FORK_PENDING = "fork_pending"  # a branch of n > 1, created when its parent's prompt is in
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED_STOPPED = "stop"
@@ -64,6 +65,9 @@ class Request:
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission (usage reports)
         self.num_preemptions = 0
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine from the tokenizer
+        # Branches to fork off once the prompt, all but its last token, is computed: they share
+        # every prompt block, and each computes the last token itself (copy-on-write).
+        self.fork_children: list[Request] = []
         # Keys of this sequence's full blocks (prefix_cache.extend_hash_chain); derived from the
         # tokens, kept here so a waiting request does not rehash every time it is considered.
         self.block_hashes: list[BlockHash] = []
@@ -75,6 +79,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Where the scheduler stops handing out tokens: before the last prompt token while
+        branches wait to be forked (so each branch samples its own first token), else the end."""
+        return self.num_tokens - 1 if self.fork_children else self.num_tokens
 
     @property
     def num_output_tokens(self) -> int:

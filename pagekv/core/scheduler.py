@@ -1,77 +1,186 @@
 """The scheduler: whom to serve this step, and what to do when blocks run out.
 
-Owns: the waiting, running and swapped queues, and the step counter. It decides; the KV cache
-manager places blocks; the runner executes the resulting ``Plan``. Must not import torch.
+Owns: the waiting, running and swapped queues, the step counter and the counters. It decides;
+the KV cache manager places blocks; the runner executes the resulting ``Plan``. The order of
+requests is the policy's (``policy.py``); how a victim gives its blocks back is
+``preemption.py``'s. Must not import torch.
 
-One rule for every token: a request has ``num_computed_tokens`` and a target ``num_tokens``;
-each step hands out tokens, under ``max_num_batched_tokens`` and ``max_num_seqs``, until they
-meet. A prefill, a chunk of a long prompt, a decode and a resumed request differ only in how far
-apart the two numbers are. Order within a step:
+One rule for every token: a request has ``num_computed_tokens`` and a target
+``num_target_tokens``; each step hands out tokens, under ``max_num_batched_tokens`` and
+``max_num_seqs``, until they meet. A prefill, a chunk of a long prompt, a decode, a prefix hit
+and a resumed request differ only in how far apart the two numbers are. Order within a step:
 
-    1. swapped requests come back (only if no one was preempted last step and room is ample)
-    2. running requests, oldest first; when a request cannot grow, the newest running request
-       is preempted (recompute: blocks freed, full ones stay cached; swap: moved to host)
-    3. waiting requests are admitted, FCFS, while budget, sequence cap and free blocks allow
-       (keeping a small watermark of blocks free so admissions do not preempt each other)
+    1. swapped requests come back, best first (only if no one was preempted last step and the
+       pool has room for them plus the watermark)
+    2. running requests, best first (the policy's order); each gets its next chunk, leaving a
+       token of budget for every running request after it, so decodes never stall behind a
+       long prefill. When a request cannot grow, the last running request (the policy's
+       victim: FCFS newest; priority lowest, then newest) is preempted by recompute or swap
+    3. waiting requests are admitted, best first and head of line (a request that does not fit
+       blocks those behind it, so small requests cannot starve a large one), while budget,
+       sequence cap and free blocks allow, keeping a small watermark of blocks free so
+       admissions do not preempt each other; not in a step that preempted or left requests
+       swapped out (they come back first)
+
+Per step, one request's chunk is capped by ``long_prefill_token_threshold`` (0: no cap), so a
+long prompt is spread over several steps instead of stretching one step for everyone.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypeVar
 
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan, ScheduledRequest
+from pagekv.core.policy import (
+    RequestOrder,
+    RequestQueue,
+    SchedulingPolicy,
+    check_priority,
+)
+from pagekv.core.preemption import PreemptionCostModel, PreemptionMode, RateLimitedLog
 from pagekv.core.request import Request, RequestStatus
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 
+__all__ = [
+    "PreemptionCostModel",
+    "PreemptionMode",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerCounters",
+    "SchedulingPolicy",
+    "check_priority",
+]
 
-class PreemptionMode(Enum):
-    RECOMPUTE = "recompute"
-    SWAP = "swap"
+logger = logging.getLogger("pagekv")
+
+E = TypeVar("E", bound=Enum)
+
+
+def _enum(kind: type[E], value: object, param: str) -> E:
+    """``value`` as a member of ``kind`` (members and their string values accepted)."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = [m.value for m in kind]
+        raise InvalidRequestError(
+            f"{param} must be one of {allowed}, got {value!r}", param
+        ) from None
+
+
+def _check_int(ok: bool, param: str, message: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not ok:
+        raise InvalidRequestError(f"{param} {message}, got {value!r}", param)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """Validated once; unknown policy or mode strings are rejected, not ignored."""
+
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 2048  # the per-step token budget
     max_model_len: int = 8192
+    block_size: int = 16  # must equal the KV manager's
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    priority_aging_steps: int = 100  # a waiting request gains 1 priority level per this; 0: off
+    long_prefill_token_threshold: int = 0  # per-request per-step chunk cap; 0: no cap
     watermark: float = 0.01  # share of the pool kept free when admitting
+    cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
+    preemption_log_interval_s: float = 10.0  # at most one preemption log line per interval
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise InvalidRequestError("max_num_seqs must be >= 1", "max_num_seqs")
-        if self.max_num_batched_tokens < 1:
-            raise InvalidRequestError(
-                "max_num_batched_tokens must be >= 1", "max_num_batched_tokens"
-            )
-        if self.max_model_len < 1:
-            raise InvalidRequestError("max_model_len must be >= 1", "max_model_len")
+        mode = _enum(PreemptionMode, self.preemption_mode, "preemption_mode")
+        object.__setattr__(self, "preemption_mode", mode)
+        object.__setattr__(self, "policy", _enum(SchedulingPolicy, self.policy, "policy"))
+        _check_int(self.block_size >= 1, "block_size", "must be >= 1", self.block_size)
+        _check_int(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
+        _check_int(
+            self.max_num_batched_tokens >= self.block_size,
+            "max_num_batched_tokens",
+            f"(the per-step token budget) must be >= block_size ({self.block_size})",
+            self.max_num_batched_tokens,
+        )
+        _check_int(self.max_model_len >= 1, "max_model_len", "must be >= 1", self.max_model_len)
+        _check_int(
+            self.priority_aging_steps >= 0,
+            "priority_aging_steps",
+            "must be >= 0",
+            self.priority_aging_steps,
+        )
+        _check_int(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            "must be >= 0 (0: no cap)",
+            self.long_prefill_token_threshold,
+        )
         if not 0 <= self.watermark < 1:
             raise InvalidRequestError("watermark must be in [0, 1)", "watermark")
+        if not isinstance(self.cost_model, PreemptionCostModel):
+            raise InvalidRequestError("cost_model must be a PreemptionCostModel", "cost_model")
+        if not self.preemption_log_interval_s >= 0:
+            raise InvalidRequestError(
+                "preemption_log_interval_s must be >= 0", "preemption_log_interval_s"
+            )
 
 
 @dataclass
 class SchedulerCounters:
-    num_preemptions_recompute: int = 0
-    num_preemptions_swap: int = 0
-    num_recomputed_tokens: int = 0
-    num_rejected: int = 0
+    """Monotonic counters; the engine exports each field under its own name. Flat ints only.
+
+    At any moment: ``added_requests == finished_requests + aborted_requests + unfinished``
+    (branches of n > 1 count from ``add``); ``preemptions_swap == swapped_in_requests +
+    swapped-out requests aborted + ``len(swapped)``.
+    """
+
+    added_requests: int = 0
+    finished_requests: int = 0  # stop or length
+    aborted_requests: int = 0
+    rejected_requests: int = 0  # can never fit the context or the pool
+    preemptions_recompute: int = 0  # including swap fallbacks
+    preemptions_swap: int = 0
+    swap_fallbacks: int = 0  # swap chosen, host pool full or absent: recomputed instead
+    preemption_swapped_blocks: int = 0  # blocks moved to the host pool by swap preemptions
+    swapped_in_requests: int = 0
+    recomputed_tokens: int = 0  # computed tokens dropped by recompute preemptions
 
 
 class Scheduler:
-    """Owner of the request queues. ``schedule()`` makes a plan; ``update()`` applies results."""
+    """Owner of the request queues. ``schedule()`` makes a plan; ``update()`` applies results.
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    ``waiting`` and ``swapped`` are ``RequestQueue``s and ``running`` a list, each in the
+    policy's order (best first) at the start of every step.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config.block_size != kv.block_size:
+            raise InvalidRequestError(
+                f"SchedulerConfig.block_size ({config.block_size}) differs from the KV cache "
+                f"manager's ({kv.block_size})",
+                "block_size",
+            )
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.order = RequestOrder(config.policy, config.priority_aging_steps)
+        self.waiting = RequestQueue(self.order.key)
         self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.swapped = RequestQueue(self.order.key)
         self.counters = SchedulerCounters()
         self.step = 0
+        self.preemption_log = RateLimitedLog(logger, config.preemption_log_interval_s, clock)
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
         self._preempted_last_step = False
 
@@ -81,39 +190,75 @@ class Scheduler:
         """Reject, before anything is queued, a request that can never run."""
         total = num_prompt_tokens + max_tokens
         if total > self.config.max_model_len:
-            self.counters.num_rejected += 1
+            self.counters.rejected_requests += 1
             raise PromptTooLongError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                 f"exceeds the model's context of {self.config.max_model_len} tokens",
                 "max_tokens" if num_prompt_tokens < self.config.max_model_len else "prompt",
             )
         if self.kv.num_blocks_for(total) > self.kv.pool.num_blocks:
-            self.counters.num_rejected += 1
+            self.counters.rejected_requests += 1
             raise PromptTooLongError(
                 f"prompt + max_tokens = {total} tokens needs {self.kv.num_blocks_for(total)} "
                 f"KV blocks; the whole pool has {self.kv.pool.num_blocks}",
                 "prompt",
             )
 
+    @staticmethod
+    def check_priority(priority: object) -> int:
+        """Validate a priority before anything is created (integers only; negative allowed)."""
+        return check_priority(priority)
+
     def add(self, request: Request) -> None:
+        """Queue a new request (with any pending branches); raises before queueing if invalid."""
+        check_priority(request.priority)
         self.check_fits(request.num_prompt_tokens, request.params.max_tokens)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.order.register(request, self.step)
+        self.waiting.push(request)
+        self.counters.added_requests += 1 + len(request.fork_children)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request in any state: out of its queue, every block released at once."""
+        """End a request in any state: out of its queue, every block released at once.
+
+        A parent that ends before forking takes its pending branches with it.
+        """
         if request.status.finished:
             return
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
+        if request.status is RequestStatus.FORK_PENDING:
+            self._detach_branch(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
-            self.swapped.remove(request)
+        elif not self.waiting.discard(request):  # WAITING (or never queued: ``add`` raised)
+            self.swapped.discard(request)
         rid = request.request_id
         if self.kv.has_table(rid) or self.kv.is_swapped(rid):
             self.kv.free(rid)
-        request.status = status
+        for branch in (request, *request.fork_children):
+            branch.status = status
+            self.order.forget(branch.request_id)
+            if status is RequestStatus.FINISHED_ABORTED:
+                self.counters.aborted_requests += 1
+            else:
+                self.counters.finished_requests += 1
+        request.fork_children = []
+
+    def _detach_branch(self, branch: Request) -> None:
+        queues = (self.waiting, self.running, self.swapped)
+        for parent in (r for q in queues for r in q if r.fork_children):
+            if branch in parent.fork_children:
+                parent.fork_children.remove(branch)
+                return
+
+    def fork(self, parent: Request) -> None:
+        """Start the parent's pending branches: each shares all of its blocks (ref count + 1)."""
+        for i, child in enumerate(parent.fork_children):
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.kv.fork(parent, child)
+            self.order.register_branch(parent, child, i)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        parent.fork_children = []
 
     @property
     def num_unfinished(self) -> int:
@@ -125,46 +270,65 @@ class Scheduler:
         self.step += 1
         budget = self.config.max_num_batched_tokens
         preempted: list[str] = []
-        if not self._preempted_last_step:
+        if self.swapped and not self._preempted_last_step:
             self._swap_in_some()
+        self.running.sort(key=self.order.key)
         scheduled, budget = self._schedule_running(budget, preempted)
         if not preempted and not self.swapped:
             scheduled += self._admit(budget)
         self._preempted_last_step = bool(preempted)
         return Plan(self.step, tuple(scheduled), self.kv.take_transfers(), tuple(preempted))
 
+    def _num_new_tokens(self, request: Request, start: int, budget: int, num_after: int) -> int:
+        """The one rule, under the chunk cap and the budget, leaving a token per later request."""
+        num_new = request.num_target_tokens - start
+        cap = self.config.long_prefill_token_threshold
+        if 0 < cap < num_new:
+            num_new = cap
+        return min(num_new, max(budget - num_after, 1))
+
     def _schedule_running(
         self, budget: int, preempted: list[str]
     ) -> tuple[list[ScheduledRequest], int]:
         scheduled: list[ScheduledRequest] = []
+        running, max_seqs = self.running, self.config.max_num_seqs
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.append_slots(request, num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
+        while i < len(running) and budget > 0 and len(scheduled) < max_seqs:
+            request = running[i]
+            num_after = min(len(running), max_seqs) - i - 1
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget, num_after)
+            if self._make_room(request, num_new, preempted):
                 scheduled.append(self._entry(request, num_new))
                 budget -= num_new
                 i += 1
         return scheduled, budget
 
+    def _make_room(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        """Grow ``request`` by ``num_new`` slots, preempting from the tail until it fits.
+
+        The tail is never already scheduled this step (scheduling walks from the head), so no
+        entry of the plan loses its blocks. False if the request had to preempt itself.
+        """
+        while not self.kv.append_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
     def _admit(self, budget: int) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             num_cached = self.kv.num_cached_tokens(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = self._num_new_tokens(request, num_cached, budget, 0)
             reserve = self._watermark_blocks if self.running else 0
             if not self.kv.can_allocate(request, num_new, reserve):
                 break
             num_hit = self.kv.allocate(request, num_new)
             assert num_hit == num_cached
-            self.waiting.popleft()
+            self.waiting.pop()
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit
             request.num_computed_tokens = num_hit
@@ -176,31 +340,75 @@ class Scheduler:
 
     def _swap_in_some(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            need = len(self.kv.host_block_table(request.request_id)) + 1 + self._watermark_blocks
-            if need > self.kv.pool.num_free_blocks or not self.kv.swap_in(request.request_id):
+            request = self.swapped.peek()
+            rid = request.request_id
+            if self.running:
+                # Room for its blocks, its next block and the watermark, or it would only be
+                # preempted again. Alone, it takes what there is (it fits the pool: check_fits).
+                need = len(self.kv.host_block_table(rid)) + 1 + self._watermark_blocks
+                if need > self.kv.pool.num_free_blocks:
+                    return
+            if not self.kv.swap_in(rid):
                 return
-            self.swapped.popleft()
+            self.swapped.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.counters.swapped_in_requests += 1
 
     def _preempt(self, victim: Request) -> None:
-        self.running.remove(victim)
+        """Give back the victim's blocks: swap if chosen and possible, else recompute."""
         victim.num_preemptions += 1
-        swap = self.config.preemption_mode is PreemptionMode.SWAP
-        if swap and self.kv.swap_out(victim.request_id):
-            victim.status = RequestStatus.SWAPPED
-            self.swapped.append(victim)
-            self.counters.num_preemptions_swap += 1
-            return
+        rid = victim.request_id
+        num_blocks = len(self.kv.block_table(rid))
+        mode = self._choose_mode(victim, num_blocks)
+        if mode is PreemptionMode.SWAP:
+            moved_before = self.kv.num_swapped_out_blocks
+            if self.kv.swap_out(rid):
+                victim.status = RequestStatus.SWAPPED
+                self.swapped.push(victim)
+                self.counters.preemptions_swap += 1
+                self.counters.preemption_swapped_blocks += (
+                    self.kv.num_swapped_out_blocks - moved_before
+                )
+                self._log_preemption(victim, "swap", num_blocks)
+                return
+            self.counters.swap_fallbacks += 1
         # Recompute (also the fallback when the host pool is full: never abort for lack of
-        # swap space). Full blocks stay in the prefix cache, so resuming often hits them.
-        self.kv.free(victim.request_id)
-        self.counters.num_preemptions_recompute += 1
-        self.counters.num_recomputed_tokens += victim.num_computed_tokens
+        # swap space). Full blocks stay cached as evictable, so resuming often hits them.
+        self.kv.free(rid)
+        self.counters.preemptions_recompute += 1
+        self.counters.recomputed_tokens += victim.num_computed_tokens
+        self._log_preemption(victim, "recompute", num_blocks)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
-        self.waiting.appendleft(victim)
+        self.waiting.push(victim)  # its old key: the head of the queue under FCFS
+
+    def _choose_mode(self, victim: Request, num_blocks: int) -> PreemptionMode:
+        mode = self.config.preemption_mode
+        if mode is not PreemptionMode.AUTO:
+            return mode
+        if self.kv.host_pool is None:
+            return PreemptionMode.RECOMPUTE
+        cost = self.config.cost_model
+        swap = cost.prefers_swap(victim.num_computed_tokens, num_blocks)
+        return PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
+
+    def _log_preemption(self, victim: Request, how: str, num_blocks: int) -> None:
+        self.preemption_log.warning(
+            "step %d: preempted request %r by %s (%d computed tokens, %d blocks); KV pool "
+            "%d/%d blocks free or evictable, %d running, %d waiting, %d swapped. The pool is "
+            "too small for the load: consider more KV memory or a lower max_num_seqs",
+            self.step,
+            victim.request_id,
+            how,
+            victim.num_computed_tokens,
+            num_blocks,
+            self.kv.pool.num_free_blocks,
+            self.kv.pool.num_blocks,
+            len(self.running),
+            len(self.waiting),
+            len(self.swapped),
+        )
 
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
         table = self.kv.block_table(request.request_id)
@@ -221,6 +429,8 @@ class Scheduler:
                 continue  # aborted after the plan was made
             request.num_computed_tokens += entry.num_tokens
             self.kv.commit(request)
+            if request.fork_children and request.num_computed_tokens == request.num_target_tokens:
+                self.fork(request)
             if not entry.samples:
                 continue
             token = sampled[request.request_id]
