@@ -11,6 +11,7 @@ See docs/architecture.md and the glossary in pagekv/core/__init__.py.
 
 from typing import TYPE_CHECKING, Any
 
+from pagekv.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.errors import InvalidRequestError, PagekvError
 from pagekv.outputs import CompletionOutput, RequestOutput
 from pagekv.sampling_params import SamplingParams
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
     "CompletionOutput",
     "InvalidRequestError",
     "LLMEngine",

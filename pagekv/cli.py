@@ -1,6 +1,7 @@
-"""The ``pagekv`` command: ``generate`` (stream one completion) and ``chat`` (interactive).
+"""The ``pagekv`` command: ``generate`` (stream one completion), ``chat`` (interactive),
+``serve`` (the OpenAI-compatible HTTP server) and ``kv-map`` (a server's block map as a PNG).
 
-Talks only to the engine.
+Talks only to the engine (and, for ``serve``/``kv-map``, to pagekv.server, imported lazily).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pagekv.bench import register as register_bench
 from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
 from pagekv.errors import PagekvError
 from pagekv.sampling_params import SamplingParams
+from pagekv.sim.cli import register as register_sim
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +32,18 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached KV blocks of shared prompt prefixes (default: on)",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
+    )
+    g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +68,8 @@ def _build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
     )
     engine = LLMEngine(config)
     print(engine.capacity_line, file=sys.stderr)
@@ -112,6 +128,60 @@ def _chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from pagekv.server.serve import serve
+    from pagekv.server.settings import ServerConfig
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    if args.model_path is not None:
+        args.model = args.model_path
+    serve(_build_engine(args), config)
+
+
+def _serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="answer 429 while this many requests wait for a batch slot",
+    )
+
+
+def _kv_map(args: argparse.Namespace) -> None:
+    import json
+    import urllib.request
+
+    from pagekv.server.kv_png import render_block_map
+
+    url = args.url.rstrip("/") + "/debug/kv.json"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+            data = json.load(response)
+    except (OSError, ValueError) as exc:  # unreachable, HTTP error, or not JSON
+        raise PagekvError(f"cannot read the block map at {url}: {exc}") from exc
+    with open(args.out, "wb") as f:
+        f.write(render_block_map(data))
+    states = [b["state"] for b in data["blocks"]]
+    print(
+        f"{args.out}: {len(states)} blocks, {states.count('in_use')} in use, "
+        f"{states.count('evictable')} evictable, {states.count('free')} free"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagekv", description="PagedAttention inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +194,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in (gen, chat):
         _engine_args(p)
         _sampling_args(p)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _serve_args(serve)
+    _engine_args(serve)
+    serve.set_defaults(func=_serve)
+    kv_map = sub.add_parser("kv-map", help="save a running server's KV block map as a PNG")
+    kv_map.add_argument("--url", default="http://127.0.0.1:8000")
+    kv_map.add_argument("--out", default="kv_map.png")
+    kv_map.add_argument("--timeout", type=float, default=10.0)
+    kv_map.set_defaults(func=_kv_map)
+    register_bench(sub)
+    register_sim(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pagekv.core.scheduler import PreemptionMode
+from pagekv.core.scheduler import PreemptionCostModel, PreemptionMode, SchedulingPolicy
 from pagekv.errors import InvalidRequestError
 
 _UNITS = {
@@ -56,8 +56,13 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto" (per victim, by cost)
+    preemption_cost: PreemptionCostModel | None = None  # None: defaults measured on CPU
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value first)
+    priority_aging_steps: int = 100  # waiting requests gain a priority level per this; 0: off
+    long_prefill_token_threshold: int = 0  # per-request prefill tokens per step; 0: no cap
     check_invariants: bool = False
+    kv_sanitizer: bool = False  # debug: fingerprint shared blocks, check them every step
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -77,6 +82,16 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}",
                 "preemption_mode",
+            )
+        policies = [p.value for p in SchedulingPolicy]
+        if self.scheduling_policy not in policies:
+            raise InvalidRequestError(
+                f"scheduling_policy must be one of {policies}, got {self.scheduling_policy!r}",
+                "scheduling_policy",
+            )
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError(
+                f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}", "max_num_seqs"
             )
         if self.max_num_batched_tokens < self.block_size:
             raise InvalidRequestError(

@@ -1,23 +1,25 @@
 """The engine: requests' life cycle around ``step()``: schedule, execute, update, detokenize.
 
-Owns: the request groups (a user request with its n branches), their detokenizers and output
-records. The scheduler owns queues, the KV manager owns blocks, the runner owns tensors; the
-engine wires them together and is the only thing the server and the LLM API talk to.
+Owns: the request groups (a user request with its n branches, ``request_group.py``) and the
+beam-search driver. The scheduler owns queues, the KV manager owns blocks, the runner owns
+tensors; the engine wires them together and is the only thing the server and LLM API talk to.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
+from pagekv.beam_driver import BeamDriver
+from pagekv.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.config import EngineConfig, parse_bytes
 from pagekv.core import invariants
 from pagekv.core.kv_cache_manager import KVCacheManager
-from pagekv.core.request import Request, RequestStatus
+from pagekv.core.request import RequestStatus
 from pagekv.core.scheduler import (
     PreemptionCostModel,
     PreemptionMode,
@@ -25,55 +27,18 @@ from pagekv.core.scheduler import (
     SchedulerConfig,
     SchedulingPolicy,
 )
-from pagekv.detokenizer import IncrementalDetokenizer
-from pagekv.errors import InvalidRequestError
+from pagekv.errors import InvalidRequestError, PromptTooLongError
 from pagekv.models.loader import LoadedModel, load_model
-from pagekv.outputs import CompletionOutput, RequestOutput
+from pagekv.outputs import RequestOutput
+from pagekv.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.runner.kv_cache import KVCache
-from pagekv.runner.model_runner import ModelRunner, SampledToken
+from pagekv.runner.model_runner import ModelRunner
 from pagekv.sampling_params import SamplingParams
+from pagekv.sanitizer import KVSanitizer
 
 logger = logging.getLogger("pagekv")
 
 PromptInput = str | Sequence[int]
-
-
-@dataclass
-class _Branch:
-    """One generated sequence of a group and what the user will see of it."""
-
-    request: Request
-    detok: IncrementalDetokenizer
-    output: CompletionOutput
-
-
-@dataclass
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    branches: list[_Branch] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(b.output.finished for b in self.branches)
-
-    def to_output(self) -> RequestOutput:
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[replace(b.output, token_ids=list(b.output.token_ids)) for b in self.branches],
-            finished=self.finished,
-            num_cached_tokens=self.branches[0].request.num_cached_prompt_tokens,
-        )
-
-
-_FINISH_REASON = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
 
 
 class LLMEngine:
@@ -120,8 +85,11 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, num_host)
-        self._groups: dict[str, _Group] = {}
-        self._branch_of: dict[str, tuple[_Group, _Branch]] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._branch_of: dict[str, tuple[RequestGroup, Branch]] = {}
+        self.beams = BeamDriver(self.scheduler, self.tokenizer, self.runner.release)
+        self._beam_results: dict[str, BeamSearchOutput] = {}
+        self.sanitizer = KVSanitizer(self.kv, self.runner.kv) if config.kv_sanitizer else None
         self.capacity_line = self._capacity_line(num_blocks, block_bytes)
         logger.info(self.capacity_line)
 
@@ -166,31 +134,13 @@ class LLMEngine:
     ) -> None:
         """Validate, tokenize and queue; raises ``InvalidRequestError`` with nothing allocated."""
         params = params or SamplingParams()
-        if request_id in self._groups:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        if params.best_of is not None and params.best_of != params.n:
-            raise InvalidRequestError("best_of different from n is not supported yet", "best_of")
+        self._check_new_id(request_id)
         text, ids = self.tokenize_prompt(prompt)
+        self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
-        group = _Group(request_id, text, ids)
-        eos = tuple(self.tokenizer.eos_token_ids)
-        for i in range(params.n):
-            branch_params = params if params.seed is None else replace(params, seed=params.seed + i)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
-            request = Request(rid, ids, branch_params, cache_salt=cache_salt, priority=priority)
-            request.eos_token_ids = eos
-            branch = _Branch(
-                request,
-                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                CompletionOutput(
-                    index=i,
-                    text="",
-                    token_ids=[],
-                    logprobs=[] if params.logprobs is not None else None,
-                    cumulative_logprob=0.0 if params.logprobs is not None else None,
-                ),
-            )
-            group.branches.append(branch)
+        group = RequestGroup.create(
+            request_id, (text, ids), params, self.tokenizer, (cache_salt, priority)
+        )
         self._groups[request_id] = group
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
@@ -205,8 +155,34 @@ class LLMEngine:
             for request in (parent, *children):
                 self.scheduler.add(request)
 
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self._groups or request_id in self.beams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+
+    def add_beam_search_request(
+        self, request_id: str, prompt: PromptInput, params: BeamSearchParams
+    ) -> None:
+        """Queue a beam search; its result comes from ``pop_beam_search_output`` once done."""
+        self._check_new_id(request_id)
+        _, ids = self.tokenize_prompt(prompt)
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        bs = self.kv.block_size
+        worst = self.kv.num_blocks_for(len(ids)) + params.beam_width * (params.max_tokens // bs + 2)
+        if worst > self.kv.pool.num_blocks:
+            raise PromptTooLongError(
+                f"beam search of width {params.beam_width} may need {worst} KV blocks "
+                f"(shared prompt + one tail per beam); the pool has {self.kv.pool.num_blocks}",
+                "beam_width",
+            )
+        self.beams.add(request_id, ids, params, tuple(self.tokenizer.eos_token_ids))
+
+    def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
+        return self._beam_results.pop(request_id, None)
+
     def abort_request(self, request_id: str) -> bool:
         """End a request wherever it is, releasing its blocks now. False if unknown or done."""
+        if self.beams.abort(request_id):
+            return True
         group = self._groups.get(request_id)
         if group is None or group.finished:
             return False
@@ -216,7 +192,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or len(self.beams) > 0
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -226,14 +202,24 @@ class LLMEngine:
         if self.config.check_invariants:
             invariants.check_manager(self.kv)
             invariants.check_plan(self.kv, plan)
+        if self.sanitizer is not None:
+            self.sanitizer.before_execute(plan)
         sampled = self.runner.execute(plan)
+        if self.sanitizer is not None:
+            self.sanitizer.after_execute(plan)
         finished = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
         done = {r.request_id for r in finished}
-        changed: dict[str, _Group] = {}
+        changed: dict[str, RequestGroup] = {}
         for rid, token in sampled.items():
+            if self.beams.owns(rid):
+                self.beams.report(rid, token.top_logprobs or [])
+                continue
             group, branch = self._branch_of[rid]
-            self._on_token(branch, token, rid in done)
+            if branch.on_token(token, rid in done):  # a stop string ended it
+                self._finish(branch, RequestStatus.FINISHED_STOPPED)
             changed[group.request_id] = group
+        for beam_output in self.beams.finish_ready():
+            self._beam_results[beam_output.request_id] = beam_output
         outputs = [g.to_output() for g in changed.values()]
         for group in changed.values():
             if group.finished:
@@ -242,38 +228,12 @@ class LLMEngine:
             invariants.check_manager(self.kv)
         return outputs
 
-    def _on_token(self, branch: _Branch, token: SampledToken, finished: bool) -> None:
-        out, request = branch.output, branch.request
-        out.token_ids.append(token.token_id)
-        if out.logprobs is not None and token.logprob is not None:
-            entry = {token.token_id: token.logprob}
-            entry.update(dict(token.top_logprobs or []))
-            out.logprobs.append(entry)
-            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + token.logprob
-        is_eos = request.status is RequestStatus.FINISHED_STOPPED
-        skip_text = is_eos and not request.params.include_stop_str_in_output
-        delta = "" if skip_text else branch.detok.append(token.token_id)
-        out.text = branch.detok.text
-        if finished:
-            out.finish_reason = _FINISH_REASON[request.status]
-            if token.token_id in request.params.stop_token_ids:
-                out.stop_reason = token.token_id
-            return
-        stop = branch.detok.find_stop(request.params.stop, len(delta)) if delta else None
-        if stop is not None:
-            text, at = stop
-            keep = at + len(text) if request.params.include_stop_str_in_output else at
-            branch.detok.truncate(keep)
-            out.text = branch.detok.text
-            out.stop_reason = text
-            self._finish(branch, RequestStatus.FINISHED_STOPPED)
-
-    def _finish(self, branch: _Branch, status: RequestStatus) -> None:
+    def _finish(self, branch: Branch, status: RequestStatus) -> None:
         self.scheduler.finish(branch.request, status)
         if branch.output.finish_reason is None:
-            branch.output.finish_reason = _FINISH_REASON[status]
+            branch.output.finish_reason = FINISH_REASON[status]
 
-    def _forget(self, group: _Group) -> None:
+    def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]
         for branch in group.branches:
             rid = branch.request.request_id
@@ -291,6 +251,8 @@ class LLMEngine:
             "kv_blocks_used": usage.num_used_blocks,
             "kv_blocks_evictable": usage.num_evictable_blocks,
             "kv_usage": usage.num_used_blocks / usage.num_blocks,
+            "kv_blocks_logical": usage.num_logical_blocks,
+            "kv_sharing_saving": usage.sharing_saving,
             "kv_slots_allocated": usage.num_slots_allocated,
             "kv_tokens_stored": usage.num_tokens_stored,
             "kv_internal_fragmentation": usage.internal_fragmentation,

@@ -12,6 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagekv.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine, PromptInput
 from pagekv.errors import InvalidRequestError
@@ -73,6 +74,33 @@ class LLM:
         tok = self.engine.tokenizer
         texts = [tok.apply_chat_template([dict(m) for m in c]) for c in conversations]
         return self.generate(texts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
+    ) -> list[BeamSearchOutput]:
+        """Beam search inside the engine's batching; sequences come best first."""
+        items = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
+        inputs = [_prompt_input(p) for p in items]
+        engine = self.engine
+        ids = [f"beam-{next(self._ids)}" for _ in inputs]
+        try:
+            for rid, prompt in zip(ids, inputs, strict=True):
+                engine.add_beam_search_request(rid, prompt, params)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, BeamSearchOutput] = {}
+        bar = tqdm(total=len(ids), desc="beam search", disable=not use_tqdm or len(ids) < 2)
+        while len(results) < len(ids):
+            engine.step()
+            for rid in ids:
+                out = engine.pop_beam_search_output(rid)
+                if out is not None:
+                    results[rid] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in ids]
 
     def _run(
         self, inputs: list[PromptInput], params: list[SamplingParams], use_tqdm: bool

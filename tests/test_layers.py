@@ -68,11 +68,29 @@ RULES = (
         module_level_only=True,
     ),
     Rule(
-        "server talks only to the engine",
+        "server talks only to the engine (and the plain types the engine takes and returns)",
         "pagekv.server",
-        only_pagekv=("pagekv.engine", "pagekv.server", "pagekv.errors", "pagekv.sampling_params"),
+        only_pagekv=(
+            "pagekv.engine",
+            "pagekv.config",
+            "pagekv.server",
+            "pagekv.errors",
+            "pagekv.sampling_params",
+            "pagekv.outputs",
+        ),
     ),
     Rule("runner imports no higher layer", "pagekv.runner", forbidden=UPWARD),
+    Rule(
+        "sim drives the core, never the engine or the server",
+        "pagekv.sim",
+        forbidden=("pagekv.server", "pagekv.engine", "pagekv.llm", "pagekv.cli"),
+    ),
+    Rule(
+        "sim imports torch, runner and models lazily (calibration only), never at module level",
+        "pagekv.sim",
+        forbidden=("torch", "pagekv.runner", "pagekv.models"),
+        module_level_only=True,
+    ),
     Rule(
         "models import no runner, core or higher layer",
         "pagekv.models",

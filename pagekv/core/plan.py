@@ -35,7 +35,7 @@ class BlockTransfers:
         return bool(self.swap_out or self.swap_in or self.copies)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: 256 of these are built every step (a third cheaper)
 class ScheduledRequest:
     """One request's share of a step: feed ``num_tokens`` tokens from ``start_position``.
 

@@ -60,6 +60,9 @@ class RequestOrder:
         self.aging_steps = aging_steps
         self._keys: dict[str, SortKey] = {}
         self._seq = 0
+        # Length of a request's own key; a branch appends its own sequence number to its
+        # parent's (truncated to this), so keys never grow over generations of beams.
+        self._base_len = 1 if policy is SchedulingPolicy.FCFS else 2
 
     def register(self, request: Request, arrival_step: int) -> None:
         """Key a request entering the scheduler (``add``) at ``arrival_step``."""
@@ -72,12 +75,16 @@ class RequestOrder:
             key = (request.priority, self._seq)
         self._keys[request.request_id] = key
 
-    def register_branch(self, parent: Request, child: Request, index: int) -> None:
-        """A forked branch sorts right after its parent (it arrived with it)."""
-        self._keys[child.request_id] = (*self._keys[parent.request_id], index + 1)
+    def register_branch(self, parent: Request, child: Request) -> None:
+        """A forked branch (n > 1, or a beam) sorts right after its parent's arrival, before
+        anything that arrived later; branches of one parent in the order they were forked."""
+        self._seq += 1
+        base = self._keys[parent.request_id][: self._base_len]
+        self._keys[child.request_id] = (*base, self._seq)
 
-    def forget(self, request_id: str) -> None:
-        self._keys.pop(request_id, None)
+    def forget(self, request_id: str) -> bool:
+        """Drop a finished request's key; whether it had one (it entered the scheduler)."""
+        return self._keys.pop(request_id, None) is not None
 
     def key(self, request: Request) -> SortKey:
         return self._keys[request.request_id]

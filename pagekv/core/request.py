@@ -68,6 +68,9 @@ class Request:
         # Branches to fork off once the prompt, all but its last token, is computed: they share
         # every prompt block, and each computes the last token itself (copy-on-write).
         self.fork_children: list[Request] = []
+        # A beam that has reported its next-token candidates waits, its provisional last token
+        # uncomputed, until every beam of its group has reported and the survivors are chosen.
+        self.held = False
         # Keys of this sequence's full blocks (prefix_cache.extend_hash_chain); derived from the
         # tokens, kept here so a waiting request does not rehash every time it is considered.
         self.block_hashes: list[BlockHash] = []
@@ -82,9 +85,10 @@ class Request:
 
     @property
     def num_target_tokens(self) -> int:
-        """Where the scheduler stops handing out tokens: before the last prompt token while
-        branches wait to be forked (so each branch samples its own first token), else the end."""
-        return self.num_tokens - 1 if self.fork_children else self.num_tokens
+        """Where the scheduler stops handing out tokens: before the last token while branches
+        wait to be forked (so each samples its own next token) or while a beam is held, else
+        the end. A request with nothing to do this step is skipped."""
+        return self.num_tokens - 1 if self.fork_children or self.held else self.num_tokens
 
     @property
     def num_output_tokens(self) -> int:

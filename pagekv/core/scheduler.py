@@ -16,14 +16,17 @@ and a resumed request differ only in how far apart the two numbers are. Order wi
        token of budget for every running request after it, so decodes never stall behind a
        long prefill. When a request cannot grow, the last running request (the policy's
        victim: FCFS newest; priority lowest, then newest) is preempted by recompute or swap
-    3. waiting requests are admitted, best first and head of line (a request that does not fit
-       blocks those behind it, so small requests cannot starve a large one), while budget,
+    3. waiting requests are admitted, best first (under the priority policy, aged so none
+       starves: see policy.py) and head of line (a request that does not fit blocks those
+       behind it, so small or cache-hot requests cannot starve a large one), while budget,
        sequence cap and free blocks allow, keeping a small watermark of blocks free so
        admissions do not preempt each other; not in a step that preempted or left requests
        swapped out (they come back first)
 
 Per step, one request's chunk is capped by ``long_prefill_token_threshold`` (0: no cap), so a
-long prompt is spread over several steps instead of stretching one step for everyone.
+long prompt is spread over several steps instead of stretching one step for everyone (figures:
+benchmarks/RESULTS.md, "Scheduler"). ``running`` is re-sorted only after a request joined it
+out of order, so a steady decode batch costs no sorting.
 """
 
 from __future__ import annotations
@@ -31,20 +34,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import TypeVar
 
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan, ScheduledRequest
-from pagekv.core.policy import (
-    RequestOrder,
-    RequestQueue,
-    SchedulingPolicy,
-    check_priority,
-)
+from pagekv.core.policy import RequestOrder, RequestQueue, SchedulingPolicy, check_priority
 from pagekv.core.preemption import PreemptionCostModel, PreemptionMode, RateLimitedLog
 from pagekv.core.request import Request, RequestStatus
+from pagekv.core.scheduler_config import SchedulerConfig, SchedulerCounters
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 
 __all__ = [
@@ -58,98 +54,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("pagekv")
-
-E = TypeVar("E", bound=Enum)
-
-
-def _enum(kind: type[E], value: object, param: str) -> E:
-    """``value`` as a member of ``kind`` (members and their string values accepted)."""
-    if isinstance(value, kind):
-        return value
-    try:
-        return kind(value)
-    except ValueError:
-        allowed = [m.value for m in kind]
-        raise InvalidRequestError(
-            f"{param} must be one of {allowed}, got {value!r}", param
-        ) from None
-
-
-def _check_int(ok: bool, param: str, message: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not ok:
-        raise InvalidRequestError(f"{param} {message}, got {value!r}", param)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Validated once; unknown policy or mode strings are rejected, not ignored."""
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # the per-step token budget
-    max_model_len: int = 8192
-    block_size: int = 16  # must equal the KV manager's
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
-    policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    priority_aging_steps: int = 100  # a waiting request gains 1 priority level per this; 0: off
-    long_prefill_token_threshold: int = 0  # per-request per-step chunk cap; 0: no cap
-    watermark: float = 0.01  # share of the pool kept free when admitting
-    cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
-    preemption_log_interval_s: float = 10.0  # at most one preemption log line per interval
-
-    def __post_init__(self) -> None:
-        mode = _enum(PreemptionMode, self.preemption_mode, "preemption_mode")
-        object.__setattr__(self, "preemption_mode", mode)
-        object.__setattr__(self, "policy", _enum(SchedulingPolicy, self.policy, "policy"))
-        _check_int(self.block_size >= 1, "block_size", "must be >= 1", self.block_size)
-        _check_int(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1", self.max_num_seqs)
-        _check_int(
-            self.max_num_batched_tokens >= self.block_size,
-            "max_num_batched_tokens",
-            f"(the per-step token budget) must be >= block_size ({self.block_size})",
-            self.max_num_batched_tokens,
-        )
-        _check_int(self.max_model_len >= 1, "max_model_len", "must be >= 1", self.max_model_len)
-        _check_int(
-            self.priority_aging_steps >= 0,
-            "priority_aging_steps",
-            "must be >= 0",
-            self.priority_aging_steps,
-        )
-        _check_int(
-            self.long_prefill_token_threshold >= 0,
-            "long_prefill_token_threshold",
-            "must be >= 0 (0: no cap)",
-            self.long_prefill_token_threshold,
-        )
-        if not 0 <= self.watermark < 1:
-            raise InvalidRequestError("watermark must be in [0, 1)", "watermark")
-        if not isinstance(self.cost_model, PreemptionCostModel):
-            raise InvalidRequestError("cost_model must be a PreemptionCostModel", "cost_model")
-        if not self.preemption_log_interval_s >= 0:
-            raise InvalidRequestError(
-                "preemption_log_interval_s must be >= 0", "preemption_log_interval_s"
-            )
-
-
-@dataclass
-class SchedulerCounters:
-    """Monotonic counters; the engine exports each field under its own name. Flat ints only.
-
-    At any moment: ``added_requests == finished_requests + aborted_requests + unfinished``
-    (branches of n > 1 count from ``add``); ``preemptions_swap == swapped_in_requests +
-    swapped-out requests aborted + ``len(swapped)``.
-    """
-
-    added_requests: int = 0
-    finished_requests: int = 0  # stop or length
-    aborted_requests: int = 0
-    rejected_requests: int = 0  # can never fit the context or the pool
-    preemptions_recompute: int = 0  # including swap fallbacks
-    preemptions_swap: int = 0
-    swap_fallbacks: int = 0  # swap chosen, host pool full or absent: recomputed instead
-    preemption_swapped_blocks: int = 0  # blocks moved to the host pool by swap preemptions
-    swapped_in_requests: int = 0
-    recomputed_tokens: int = 0  # computed tokens dropped by recompute preemptions
 
 
 class Scheduler:
@@ -183,6 +87,7 @@ class Scheduler:
         self.preemption_log = RateLimitedLog(logger, config.preemption_log_interval_s, clock)
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
         self._preempted_last_step = False
+        self._running_sorted = True  # False once a request joins ``running`` out of order
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -216,12 +121,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.order.register(request, self.step)
         self.waiting.push(request)
-        self.counters.added_requests += 1 + len(request.fork_children)
+        self.counters.added_requests += 1
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state: out of its queue, every block released at once.
 
-        A parent that ends before forking takes its pending branches with it.
+        A parent that ends before forking takes its pending branches with it. The counters
+        count requests that entered the scheduler (``add`` or ``fork``), not unforked branches.
         """
         if request.status.finished:
             return
@@ -234,14 +140,15 @@ class Scheduler:
         rid = request.request_id
         if self.kv.has_table(rid) or self.kv.is_swapped(rid):
             self.kv.free(rid)
-        for branch in (request, *request.fork_children):
+        for branch in request.fork_children:
             branch.status = status
-            self.order.forget(branch.request_id)
+        request.fork_children = []
+        request.status = status
+        if self.order.forget(rid):
             if status is RequestStatus.FINISHED_ABORTED:
                 self.counters.aborted_requests += 1
             else:
                 self.counters.finished_requests += 1
-        request.fork_children = []
 
     def _detach_branch(self, branch: Request) -> None:
         queues = (self.waiting, self.running, self.swapped)
@@ -252,12 +159,13 @@ class Scheduler:
 
     def fork(self, parent: Request) -> None:
         """Start the parent's pending branches: each shares all of its blocks (ref count + 1)."""
-        for i, child in enumerate(parent.fork_children):
+        for child in parent.fork_children:
             child.num_computed_tokens = parent.num_computed_tokens
             self.kv.fork(parent, child)
-            self.order.register_branch(parent, child, i)
+            self.order.register_branch(parent, child)
             child.status = RequestStatus.RUNNING
-            self.running.append(child)
+            self._join_running(child)
+        self.counters.added_requests += len(parent.fork_children)
         parent.fork_children = []
 
     @property
@@ -272,16 +180,17 @@ class Scheduler:
         preempted: list[str] = []
         if self.swapped and not self._preempted_last_step:
             self._swap_in_some()
-        self.running.sort(key=self.order.key)
+        if not self._running_sorted:
+            self.running.sort(key=self.order.key)
+            self._running_sorted = True
         scheduled, budget = self._schedule_running(budget, preempted)
         if not preempted and not self.swapped:
             scheduled += self._admit(budget)
         self._preempted_last_step = bool(preempted)
         return Plan(self.step, tuple(scheduled), self.kv.take_transfers(), tuple(preempted))
 
-    def _num_new_tokens(self, request: Request, start: int, budget: int, num_after: int) -> int:
-        """The one rule, under the chunk cap and the budget, leaving a token per later request."""
-        num_new = request.num_target_tokens - start
+    def _chunk(self, num_new: int, budget: int, num_after: int) -> int:
+        """A prefill chunk: capped per request, leaving one token per later running request."""
         cap = self.config.long_prefill_token_threshold
         if 0 < cap < num_new:
             num_new = cap
@@ -290,17 +199,29 @@ class Scheduler:
     def _schedule_running(
         self, budget: int, preempted: list[str]
     ) -> tuple[list[ScheduledRequest], int]:
+        # The decode hot path (256 requests a step): locals, and no helper calls for a decode.
         scheduled: list[ScheduledRequest] = []
         running, max_seqs = self.running, self.config.max_num_seqs
-        i = 0
-        while i < len(running) and budget > 0 and len(scheduled) < max_seqs:
+        append_slots, block_table = self.kv.append_slots, self.kv.block_table
+        i, end = 0, min(len(running), max_seqs)  # running[i] is the next to consider
+        while i < end and budget > 0:
             request = running[i]
-            num_after = min(len(running), max_seqs) - i - 1
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget, num_after)
-            if self._make_room(request, num_new, preempted):
-                scheduled.append(self._entry(request, num_new))
-                budget -= num_new
+            start = request.num_computed_tokens
+            num_new = request.num_target_tokens - start
+            if num_new <= 0:  # nothing to do this step (a beam held for its siblings)
                 i += 1
+                continue
+            if num_new > 1:
+                num_new = self._chunk(num_new, budget, end - i - 1)
+            if not append_slots(request, num_new):
+                fits = self._make_room(request, num_new, preempted)
+                end = min(len(running), max_seqs)
+                if not fits:
+                    continue
+            table = block_table(request.request_id)
+            scheduled.append(ScheduledRequest(request, start, num_new, table))
+            budget -= num_new
+            i += 1
         return scheduled, budget
 
     def _make_room(self, request: Request, num_new: int, preempted: list[str]) -> bool:
@@ -322,7 +243,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             num_cached = self.kv.num_cached_tokens(request)
-            num_new = self._num_new_tokens(request, num_cached, budget, 0)
+            num_new = self._chunk(request.num_target_tokens - num_cached, budget, 0)
             reserve = self._watermark_blocks if self.running else 0
             if not self.kv.can_allocate(request, num_new, reserve):
                 break
@@ -333,7 +254,7 @@ class Scheduler:
                 request.num_cached_prompt_tokens = num_hit
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._join_running(request)
             scheduled.append(self._entry(request, num_new))
             budget -= num_new
         return scheduled
@@ -352,8 +273,14 @@ class Scheduler:
                 return
             self.swapped.pop()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._join_running(request)
             self.counters.swapped_in_requests += 1
+
+    def _join_running(self, request: Request) -> None:
+        running = self.running
+        if running and self._running_sorted:
+            self._running_sorted = self.order.key(running[-1]) < self.order.key(request)
+        running.append(request)
 
     def _preempt(self, victim: Request) -> None:
         """Give back the victim's blocks: swap if chosen and possible, else recompute."""
@@ -423,16 +350,19 @@ class Scheduler:
         are finished and their blocks released here. Stop strings are the engine's to check.
         """
         finished: list[Request] = []
+        block_size, commit, running = self.kv.block_size, self.kv.commit, RequestStatus.RUNNING
         for entry in plan.scheduled:
             request = entry.request
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # aborted after the plan was made
-            request.num_computed_tokens += entry.num_tokens
-            self.kv.commit(request)
-            if request.fork_children and request.num_computed_tokens == request.num_target_tokens:
+            start = request.num_computed_tokens
+            end = request.num_computed_tokens = start + entry.num_tokens
+            if end // block_size != start // block_size:
+                commit(request)  # a block filled up (commit also catches up on any before it)
+            if request.fork_children and end == request.num_target_tokens:
                 self.fork(request)
-            if not entry.samples:
-                continue
+            if end != len(request.all_token_ids):
+                continue  # a prompt chunk short of the end: nothing sampled (entry.samples)
             token = sampled[request.request_id]
             request.append_token(token)
             status = request.stop_status(token)

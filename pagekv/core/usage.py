@@ -20,6 +20,7 @@ class KVUsage:
     num_free_blocks: int  # FREE only
     num_used_blocks: int
     num_evictable_blocks: int
+    num_logical_blocks: int  # table entries: the blocks the same tables would need unshared
     num_slots_allocated: int  # used blocks x block size
     num_tokens_stored: int  # computed tokens in used blocks, shared blocks counted once
     prefix_query_tokens: int
@@ -28,6 +29,13 @@ class KVUsage:
     num_swapped_out_blocks: int
     num_swapped_in_blocks: int
     num_evictions: int
+
+    @property
+    def sharing_saving(self) -> float:
+        """Share of table entries that sharing (forks, beams, prefix hits) did not allocate."""
+        if self.num_logical_blocks == 0:
+            return 0.0
+        return max(0.0, 1.0 - self.num_used_blocks / self.num_logical_blocks)
 
     @property
     def internal_fragmentation(self) -> float:
@@ -39,7 +47,9 @@ class KVUsage:
     @classmethod
     def of(cls, manager: KVCacheManager) -> KVUsage:
         fill: dict[int, int] = {}
+        num_logical = 0
         for table in manager._tables.values():
+            num_logical += len(table.blocks)
             computed = table.request.num_computed_tokens
             for i, block_id in enumerate(table.blocks):
                 tokens = min(manager.block_size, max(0, computed - i * manager.block_size))
@@ -50,6 +60,7 @@ class KVUsage:
             num_free_blocks=pool.num_free_blocks - pool.num_evictable_blocks,
             num_used_blocks=pool.num_used_blocks,
             num_evictable_blocks=pool.num_evictable_blocks,
+            num_logical_blocks=num_logical,
             num_slots_allocated=pool.num_used_blocks * manager.block_size,
             num_tokens_stored=sum(fill.values()),
             prefix_query_tokens=manager.prefix_query_tokens,

@@ -7,21 +7,27 @@ as integer block ids in the plan.
 One step::
 
     apply transfers   swap_out, swap_in, copies (copy-on-write before any write)
-    build inputs      input ids, positions, slot mapping, padded block tables   [T], [B, ...]
+    build inputs      ids, positions, slots; decode rows first, then prefill chunks (batch.py)
     forward           each layer writes its new K/V by slot, reads history via block tables
+                      (fast path: fast_attention.py; the reference: attention.py)
     sample            logits of the last position of each request that samples   [S, vocab]
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagekv.core.plan import Plan, ScheduledRequest
+from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
-from pagekv.runner.attention import AttentionMetadata, paged_attention_reference, write_kv
+from pagekv.runner import cpu_kernel
+from pagekv.runner.attention import paged_attention_reference, write_kv
+from pagekv.runner.batch import StepInputs, prepare_step, reference_metadata
+from pagekv.runner.fast_attention import FastAttention
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.sampler import Sampler, SamplerOutput, SamplingRow
 
@@ -33,12 +39,32 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None
 
 
+class AttentionBackend(enum.Enum):
+    FAST = "fast"  # decode kernel over block tables + SDPA per prefill chunk (fast_attention)
+    REFERENCE = "reference"  # paged_attention_reference: the float32 correctness oracle
+
+
 class ModelRunner:
-    """Owner of the KV tensors and sampler state; ``execute(plan)`` runs one step."""
+    """Owner of the KV tensors and sampler state; ``execute(plan)`` runs one step.
+
+    ``num_threads`` sets torch's intra-op threads (process-wide) when given; the C decode
+    kernel follows ``torch.get_num_threads()``.
+    """
 
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, num_host_blocks: int = 0
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        *,
+        attention: AttentionBackend = AttentionBackend.FAST,
+        num_threads: int | None = None,
     ) -> None:
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
         cfg = loaded.config
         self.model = loaded.model
         self.dtype = next(loaded.model.parameters(), torch.empty(0, dtype=torch.float32)).dtype
@@ -51,6 +77,8 @@ class ModelRunner:
             else None
         )
         self.scale = cfg.head_dim**-0.5
+        self.attention = attention
+        self.kernel = cpu_kernel.load() if attention is AttentionBackend.FAST else None
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -88,25 +116,37 @@ class ModelRunner:
         self.apply_transfers(plan)
         if not plan.scheduled:
             return {}
-        input_ids, positions, meta = self._prepare(plan.scheduled)
-
-        def attention(
-            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-        ) -> torch.Tensor:
-            write_kv(self.kv.k[layer], self.kv.v[layer], k, v, meta.slot_mapping)
-            return paged_attention_reference(
-                q, self.kv.k[layer], self.kv.v[layer], meta, self.scale
-            )
-
-        hidden = self.model(input_ids, positions, attention)  # [T, hidden]
-        sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]
+        inputs = prepare_step(plan.scheduled, self.block_size)
+        hidden = self.model(inputs.input_ids, inputs.positions, self._attention_fn(inputs))
+        sampling = [i for i, s in enumerate(inputs.order) if s.samples]  # rows of inputs.order
         if not sampling:
             return {}
-        last = meta.query_start_loc[1:][sampling] - 1  # [S] last new token of each sampling row
+        last = torch.tensor([inputs.last_token[i] for i in sampling])  # [S]
         logits = self.model.compute_logits(hidden[last])  # [S, vocab] float32
-        rows = [self._row(plan.scheduled[i]) for i in sampling]
-        out = self.sampler(logits, rows)
-        return self._results([plan.scheduled[i] for i in sampling], out)
+        entries = [inputs.order[i] for i in sampling]
+        out = self.sampler(logits, [self._row(e) for e in entries])
+        return self._results(entries, out)
+
+    def _attention_fn(self, inputs: StepInputs) -> AttentionFn:
+        """The per-layer attention: write this step's K/V into its slots, then attend."""
+        kv, slots = self.kv, inputs.slot_mapping
+        if self.attention is AttentionBackend.REFERENCE:
+            meta = reference_metadata(inputs, self.block_size)
+
+            def reference(
+                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+                write_kv(kv.k[layer], kv.v[layer], k, v, slots)
+                return paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, self.scale)
+
+            return reference
+        fast = FastAttention(inputs.layout, self.scale, self.kernel)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv(kv.k[layer], kv.v[layer], k, v, slots)
+            return fast(q, k, v, (kv.k[layer], kv.v[layer]))
+
+        return attend
 
     def _row(self, entry: ScheduledRequest) -> SamplingRow:
         request = entry.request
@@ -129,34 +169,3 @@ class ModelRunner:
                 top_logprobs=out.top_logprobs[i],
             )
         return results
-
-    def _prepare(
-        self, scheduled: Sequence[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        q_lens = torch.tensor([s.num_tokens for s in scheduled], dtype=torch.int64)  # [B]
-        starts = torch.tensor([s.start_position for s in scheduled], dtype=torch.int64)  # [B]
-        seq_lens = starts + q_lens
-        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        row = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens)  # [T] request index
-        positions = starts[row] + (torch.arange(num_tokens) - query_start_loc[:-1][row])  # [T]
-        max_blocks = max(len(s.block_table) for s in scheduled)
-        tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int64)  # [B, max_blocks]
-        for i, s in enumerate(scheduled):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int64)
-        slot_mapping = tables[row, positions // bs] * bs + positions % bs  # [T]
-        ids: list[int] = []
-        for s in scheduled:
-            ids += s.token_ids
-        meta = AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            slot_mapping=slot_mapping,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-        )
-        return torch.tensor(ids, dtype=torch.int64), positions, meta

@@ -1,0 +1,97 @@
+"""``pagekv bench``: throughput and latency on the standard workloads.
+
+    pagekv bench --workload random --dtype bfloat16 --json-out out.json   # offline, in process
+    pagekv bench serve --url http://127.0.0.1:8000 --workload prefix      # against a server
+
+Owns the command's arguments; the runs live in ``offline`` and ``serve``, the workloads in
+``workloads`` (shared with the scripts under benchmarks/), the table and JSON in ``report``.
+The CLI wires it in with ``bench.register(subparsers)``; nothing here touches the CLI module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pagekv.bench.report import format_table, write_json
+from pagekv.bench.workloads import load_workload
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` subcommand to an ``argparse`` subparsers object."""
+    parser = subparsers.add_parser(
+        "bench", help="throughput/latency on a standard workload (offline or against a server)"
+    )
+    parser.add_argument(
+        "mode",
+        nargs="?",
+        default="offline",
+        choices=["offline", "serve"],
+        help="offline: run the engine in this process (default); serve: an HTTP server",
+    )
+    parser.add_argument("--workload", default="random", help="random | prefix | FILE.json")
+    parser.add_argument("--json-out", default=None, help="write the result as JSON here")
+    engine = parser.add_argument_group("offline engine")
+    engine.add_argument("--model", default=None, help="GGUF file or HF directory")
+    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--kv-cache-memory", default="2GiB")
+    engine.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    serve = parser.add_argument_group("serve")
+    serve.add_argument("--url", default="http://127.0.0.1:8000")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-concurrency", type=int, default=64)
+    serve.add_argument("--api-key", default=None)
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> None:
+    """Run the benchmark the parsed arguments describe; print the table, maybe write JSON."""
+    workload = load_workload(args.workload)
+    if args.mode == "serve":
+        from pagekv.bench.serve import ServeSettings, run_serve
+
+        serve_settings = ServeSettings(
+            url=args.url,
+            model=args.served_model_name,
+            max_concurrency=args.max_concurrency,
+            api_key=args.api_key,
+        )
+        result = run_serve(workload, serve_settings)
+    else:
+        from pagekv.bench.offline import OfflineSettings, build_engine, run_offline, warm_up
+
+        settings = OfflineSettings(
+            model=args.model,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            num_threads=args.num_threads,
+            enable_prefix_caching=args.enable_prefix_caching,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        engine = build_engine(settings)
+        warm_up(engine)
+        result = run_offline(engine, workload, settings)
+    print(format_table(result))
+    if args.json_out:
+        write_json(result, args.json_out)
+        print(f"wrote {args.json_out}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pagekv.bench ...`` until the CLI registers the subcommand."""
+    parser = argparse.ArgumentParser(prog="pagekv")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    args.func(args)
+    return 0

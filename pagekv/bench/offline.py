@@ -1,0 +1,95 @@
+"""Offline throughput: every request of a workload added at once, the engine stepped to the end.
+
+Owns one timed pass over an ``LLMEngine`` (built here from a frozen ``OfflineSettings``). All
+requests are queued at t = 0, so a request's TTFT includes its wait for a batch slot, as in
+vLLM's ``benchmark_throughput``. A short warm-up request runs first, outside the timing, so
+one-off costs (first matmul of each shape, allocator growth) are not charged to the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagekv.bench.report import BenchResult, peak_rss_bytes
+from pagekv.bench.workloads import Workload
+from pagekv.config import EngineConfig
+from pagekv.engine import LLMEngine
+from pagekv.models.loader import LoadedModel
+from pagekv.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class OfflineSettings:
+    model: str | None = None
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: str = "2GiB"
+    num_threads: int | None = None  # None: torch's default
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+
+
+def build_engine(settings: OfflineSettings, loaded: LoadedModel | None = None) -> LLMEngine:
+    """The engine the settings describe; ``loaded`` reuses a model already in memory."""
+    if settings.num_threads is not None:
+        torch.set_num_threads(settings.num_threads)
+    config = EngineConfig(
+        model=settings.model,
+        dtype=settings.dtype,
+        block_size=settings.block_size,
+        kv_cache_memory=settings.kv_cache_memory,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+    )
+    return LLMEngine(config, loaded)
+
+
+def greedy_params(output_len: int) -> SamplingParams:
+    """Exactly ``output_len`` tokens, greedy, no EOS stop: the benchmark's only sampling."""
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def warm_up(engine: LLMEngine) -> None:
+    engine.add_request("warmup", list(range(100, 164)), greedy_params(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_offline(engine: LLMEngine, workload: Workload, settings: OfflineSettings) -> BenchResult:
+    """Queue every request, step until all finish; per-request first/last token times."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    cached = 0
+    start = time.perf_counter()
+    for i, request in enumerate(workload.requests):
+        engine.add_request(
+            f"bench-{i}", request.prompt_token_ids, greedy_params(request.output_len)
+        )
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                last[out.request_id] = now
+                cached += out.num_cached_tokens
+    elapsed = time.perf_counter() - start
+    lens = {f"bench-{i}": r.output_len for i, r in enumerate(workload.requests)}
+    return BenchResult(
+        mode="offline",
+        workload=workload.name,
+        num_requests=len(workload.requests),
+        num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=workload.num_output_tokens,
+        elapsed_s=elapsed,
+        ttft_s=[t - start for t in first.values()],
+        tpot_s=[(last[r] - first[r]) / (lens[r] - 1) for r in last if lens[r] > 1],
+        settings={**asdict(settings), "torch_threads": torch.get_num_threads()},
+        peak_rss_bytes=peak_rss_bytes(),
+        num_cached_prompt_tokens=cached,
+    )

@@ -1,0 +1,121 @@
+"""One step's model inputs, built from the plan's scheduled requests: token ids, positions,
+slots, and the attention layouts (fast and reference).
+
+Owns the flat token order of a step: decode rows (one new token) first, then the prefill
+chunks, each group in plan order. The model is per-token except attention, so the order only
+has to agree between the inputs, the attention layout and the rows read back for sampling.
+
+Slot of position p of a request (see attention.py for the picture)::
+
+    slot(p) = block_table[p // block_size] * block_size + p % block_size
+
+Imports the core's plan types only to read them. Must not import ``models`` or ``server``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagekv.core.plan import ScheduledRequest
+from pagekv.runner.attention import AttentionMetadata
+from pagekv.runner.cpu_kernel import DecodeBatch
+from pagekv.runner.fast_attention import PrefillChunk, StepLayout
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything the forward needs, in the step's flat token order."""
+
+    order: tuple[ScheduledRequest, ...]  # decode rows first, then prefill chunks
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    last_token: list[int]  # per entry of ``order``: flat index of its last new token
+    layout: StepLayout
+
+
+def _decode_rows(
+    rows: Sequence[ScheduledRequest], block_size: int
+) -> tuple[list[int], list[int], list[int], DecodeBatch]:
+    """Token ids, positions and slots of the decode rows, and their kernel batch."""
+    ids = [s.request.all_token_ids[s.start_position] for s in rows]
+    positions = [s.start_position for s in rows]
+    slots = [
+        s.block_table[p // block_size] * block_size + p % block_size
+        for s, p in zip(rows, positions, strict=True)
+    ]
+    num_blocks = [p // block_size + 1 for p in positions]
+    width = max(num_blocks, default=0)
+    tables = [s.block_table[:n] + [0] * (width - n) for s, n in zip(rows, num_blocks, strict=True)]
+    batch = DecodeBatch(
+        block_tables=torch.tensor(tables, dtype=torch.int32).view(len(rows), width),
+        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
+        max_seq_len=max(positions, default=-1) + 1,
+    )
+    return ids, positions, slots, batch
+
+
+def _prefill_chunk(
+    entry: ScheduledRequest, token_start: int, block_size: int
+) -> tuple[PrefillChunk, torch.Tensor, torch.Tensor]:
+    """The chunk's attention record, positions int64 [L] and slots int64 [L]."""
+    start, num = entry.start_position, entry.num_tokens
+    seq_len = start + num
+    blocks = torch.tensor(entry.block_table[: -(-seq_len // block_size)], dtype=torch.int64)
+    positions = torch.arange(start, seq_len)  # [L]
+    slots = blocks[positions // block_size] * block_size + positions % block_size  # [L]
+    chunk = PrefillChunk(token_start, num, seq_len)
+    if start > 0:  # history in the cache: read it through the blocks, mask with an offset
+        mask = torch.arange(seq_len)[None, :] <= positions[:, None]  # [L, S]
+        chunk = PrefillChunk(token_start, num, seq_len, block_ids=blocks, mask=mask)
+    return chunk, positions, slots
+
+
+def prepare_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> StepInputs:
+    """Build the step's inputs; one pass over the rows, no per-token Python loop."""
+    decode = [s for s in scheduled if s.num_tokens == 1]
+    prefill = [s for s in scheduled if s.num_tokens > 1]
+    ids, decode_positions, decode_slots, decode_batch = _decode_rows(decode, block_size)
+    positions = [torch.tensor(decode_positions, dtype=torch.int64)]
+    slots = [torch.tensor(decode_slots, dtype=torch.int64)]
+    last_token = list(range(len(decode)))
+    chunks: list[PrefillChunk] = []
+    for entry in prefill:
+        chunk, chunk_positions, chunk_slots = _prefill_chunk(entry, len(ids), block_size)
+        chunks.append(chunk)
+        positions.append(chunk_positions)
+        slots.append(chunk_slots)
+        ids += entry.token_ids
+        last_token.append(len(ids) - 1)
+    return StepInputs(
+        order=(*decode, *prefill),
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.cat(positions),
+        slot_mapping=torch.cat(slots),
+        last_token=last_token,
+        layout=StepLayout(len(decode), decode_batch, tuple(chunks)),
+    )
+
+
+def reference_metadata(inputs: StepInputs, block_size: int) -> AttentionMetadata:
+    """The same step as ``AttentionMetadata`` for ``paged_attention_reference``."""
+    order = inputs.order
+    q_lens = torch.tensor([s.num_tokens for s in order], dtype=torch.int64)  # [B]
+    seq_lens = torch.tensor([s.start_position + s.num_tokens for s in order])  # [B]
+    query_start_loc = torch.zeros(len(order) + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+    num_blocks = [-(-int(n) // block_size) for n in seq_lens]
+    width = max(num_blocks)
+    tables = [s.block_table[:n] + [0] * (width - n) for s, n in zip(order, num_blocks, strict=True)]
+    return AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=torch.tensor(tables, dtype=torch.int64),  # [B, max_blocks]
+        slot_mapping=inputs.slot_mapping,
+        max_query_len=int(q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_size=block_size,
+    )

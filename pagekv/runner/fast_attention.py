@@ -1,0 +1,153 @@
+"""Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
+through SDPA. Agrees with ``paged_attention_reference`` (tests/test_attention_fast.py).
+
+Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
+``KVCache``. Why two paths: a decode row is one query over a long history, where the cost is
+reading K/V, so the kernel reads every cached row in place, once; a prefill chunk is many
+queries, where the cost is the QK^T and PV products, so SDPA's blocked GEMMs win. The
+reference instead pads every row to the longest query and the longest history of the batch.
+
+Flat token order of a step (decode rows first, see ``batch.prepare_step``)::
+
+    tokens   d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 p1
+             decode   | chunk 0        | chunk 1 (history 48 cached + 3 new)
+    decode:  kernel over block tables, seq_lens          -> out[:3]
+    chunk 0: no history: SDPA(q, k, v of this step, causal)
+    chunk 1: history: SDPA(q, K/V of 51 slots read via its blocks, causal offset by 48)
+
+Must not import ``pagekv.core``, ``models`` or ``server``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pagekv.runner.cpu_kernel import DecodeBatch, DecodeKernel
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One request's new tokens when it has more than one: flat tokens [start, start + len)."""
+
+    token_start: int
+    num_tokens: int
+    seq_len: int  # history + new tokens after this step
+    # Only for chunks with history: int64 [ceil(seq_len / block_size)] physical blocks, and
+    # bool [num_tokens, seq_len], True where new token j may see position k.
+    block_ids: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What the fast path needs of one step: the first ``num_decode`` tokens are decode rows."""
+
+    num_decode: int
+    decode: DecodeBatch
+    prefill: tuple[PrefillChunk, ...]
+
+
+class FastAttention:
+    """One step's attention over the paged cache, for every layer: layout, scale and kernel
+    are fixed for the step, the layer's q/k/v and caches change."""
+
+    def __init__(self, layout: StepLayout, scale: float, kernel: DecodeKernel | None) -> None:
+        self.layout = layout
+        self.scale = scale
+        self.kernel = kernel
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        caches: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Causal attention of this step's queries over their sequences' cached histories.
+
+        q: [T, H, D]; k, v: this step's new [T, KVH, D] (already written to the caches);
+        caches: (k_cache, v_cache), each [num_blocks, block_size, KVH, D]. Without a kernel (or
+        one lacking this dtype/head dim) decode rows use torch ops. Returns [T, H, D], q's dtype.
+        """
+        k_cache, v_cache = caches
+        out = torch.empty_like(q)  # [T, H, D]
+        nd = self.layout.num_decode
+        if nd:
+            q_decode = q[:nd].float()  # [nd, H, D]
+            kernel = self.kernel
+            if kernel is not None and kernel.supports(k_cache.dtype, q.shape[-1]):
+                out[:nd] = kernel(q_decode, k_cache, v_cache, self.layout.decode, self.scale)
+            else:
+                out[:nd] = decode_attention_torch(
+                    q_decode, k_cache, v_cache, self.layout.decode, self.scale
+                )
+        for chunk in self.layout.prefill:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = _prefill_chunk(q[rows], k[rows], v[rows], caches, chunk, self.scale)
+        return out
+
+
+def _prefill_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    chunk: PrefillChunk,
+    scale: float,
+) -> torch.Tensor:
+    """q [L, H, D], k/v [L, KVH, D] -> [L, H, D]. Without history the chunk's own K/V are the
+    whole sequence; with history, read all seq_len slots (new ones included) via the blocks."""
+    mask = None
+    if chunk.block_ids is not None:
+        k = _read_blocks(caches[0], chunk.block_ids, chunk.seq_len)  # [S, KVH, D]
+        v = _read_blocks(caches[1], chunk.block_ids, chunk.seq_len)
+        mask = chunk.mask
+    # 4-D inputs: torch's CPU flash kernel only takes [batch, heads, len, dim]; 3-D inputs
+    # silently fall back to the unfused math path (measured 3-5x slower).
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, H, L, D]
+        k.transpose(0, 1)[None],  # [1, KVH, S, D]
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [1, H, L, D]
+    return out[0].transpose(0, 1)
+
+
+def _read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """cache [num_blocks, bs, KVH, D], block_ids int64 [nb] -> [seq_len, KVH, D] (a copy)."""
+    blocks = cache.index_select(0, block_ids)  # [nb, bs, KVH, D]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:
+    """The kernel's contract in torch ops, for when it is unavailable: gathers whole blocks
+    (not positions) and computes in float32. q float32 [B, H, D] -> float32 [B, H, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks = -(-batch.max_seq_len // block_size)
+    tables = batch.block_tables[:, :num_blocks].long()  # [B, nb]
+    span = num_blocks * block_size
+    keys = k_cache[tables].view(num_seqs, span, num_kv_heads, head_dim)  # [B, S, KVH, D]
+    values = v_cache[tables].view(num_seqs, span, num_kv_heads, head_dim)
+    valid = torch.arange(span) < batch.seq_lens[:, None]  # [B, S]
+    # A slot past seq_len may hold anything, NaN included, and 0 * NaN is NaN: zero it.
+    values = torch.where(valid[:, :, None, None], values.float(), 0.0)
+    group = num_heads // num_kv_heads
+    q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+    scores = q_grouped @ keys.float().permute(0, 2, 3, 1) * scale  # [B, KVH, G, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = probs @ values.permute(0, 2, 1, 3)  # [B, KVH, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)

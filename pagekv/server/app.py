@@ -1,0 +1,96 @@
+"""The FastAPI app: /v1 routes, /health, /metrics, /debug/kv, and the error handlers.
+
+``build_app`` wires a started-or-not ``EngineLoop`` into a fresh app; every error, whatever
+raised it, leaves through ``errors.error_body`` (one table from exception type to status).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagekv.engine import LLMEngine
+from pagekv.errors import InvalidRequestError, PagekvError
+from pagekv.server.errors import (
+    EngineDeadError,
+    MethodNotAllowedError,
+    RouteNotFoundError,
+    error_body,
+)
+from pagekv.server.kv_page import render_kv_page
+from pagekv.server.openai_api import router, state_of
+from pagekv.server.state import ServerState
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="pagekv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pagekv = state
+    app.include_router(router)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/debug/kv", kv_page, methods=["GET"])
+    app.add_api_route("/debug/kv.json", kv_json, methods=["GET"])
+    # PagekvError (every 4xx, and 503) is answered by the exception middleware; anything else
+    # reaches the outermost handler, which answers 500 and lets uvicorn log the traceback.
+    app.add_exception_handler(PagekvError, _any_exception)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(Exception, _any_exception)
+    return app
+
+
+def _error_response(request: Request, exc: BaseException) -> JSONResponse:
+    status, body = error_body(exc)
+    state_of(request).metrics.error(status)
+    return JSONResponse(body, status_code=status)
+
+
+async def _any_exception(request: Request, exc: Exception) -> Response:
+    return _error_response(request, exc)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own routing errors (no such path or method), through the same table."""
+    assert isinstance(exc, StarletteHTTPException)
+    kinds: dict[int, type[PagekvError]] = {404: RouteNotFoundError, 405: MethodNotAllowedError}
+    error_type = kinds.get(exc.status_code, InvalidRequestError)
+    return _error_response(
+        request, error_type(f"{request.method} {request.url.path}: {exc.detail}")
+    )
+
+
+async def health(request: Request) -> Response:
+    if not state_of(request).loop.alive:
+        return _error_response(request, EngineDeadError("the engine thread is not running"))
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    state = state_of(request)
+    stats = await state.loop.call(LLMEngine.stats)
+    return Response(state.metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+async def kv_page(request: Request) -> Response:
+    """The block map page, with the current map inlined so it draws without a fetch."""
+    return HTMLResponse(render_kv_page(await _kv_data(request)))
+
+
+async def kv_json(request: Request) -> Response:
+    return JSONResponse(await _kv_data(request))
+
+
+async def _kv_data(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    data: dict[str, Any] = await state.loop.call(_block_map_and_stats)
+    data["model"] = state.model_name
+    return data
+
+
+def _block_map_and_stats(engine: LLMEngine) -> dict[str, Any]:
+    data = engine.block_map()
+    data["stats"] = engine.stats()
+    return data

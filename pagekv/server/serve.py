@@ -1,0 +1,50 @@
+"""Run the server: engine thread + uvicorn on the main thread, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+from fastapi import FastAPI
+
+from pagekv.engine import LLMEngine
+from pagekv.server.app import build_app
+from pagekv.server.engine_loop import EngineLoop
+from pagekv.server.metrics import Metrics
+from pagekv.server.settings import ServerConfig
+from pagekv.server.state import ServerState
+
+logger = logging.getLogger("pagekv.server")
+
+
+def create_app(engine: LLMEngine, config: ServerConfig) -> tuple[FastAPI, EngineLoop]:
+    """The app and its (not yet started) engine loop."""
+    metrics = Metrics()
+    loop = EngineLoop(engine, metrics, config.max_waiting_requests)
+    state = ServerState.create(engine, config, loop, metrics)
+    return build_app(state), loop
+
+
+def serve(engine: LLMEngine, config: ServerConfig) -> None:
+    """Serve until interrupted; the engine thread stops after uvicorn does."""
+    app, loop = create_app(engine, config)
+    loop.start()
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+    )
+    server = uvicorn.Server(uv_config)
+    print(
+        f"pagekv: serving {app.state.pagekv.model_name} on http://{config.host}:{config.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        server.run()
+    finally:
+        loop.stop()

@@ -1,0 +1,63 @@
+"""``ServerState``: what every handler needs, built once per app. Owns nothing it creates."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pagekv.engine import LLMEngine
+from pagekv.server.engine_loop import EngineLoop
+from pagekv.server.errors import ModelNotFoundError
+from pagekv.server.formats import TokenNamer
+from pagekv.server.metrics import Metrics
+from pagekv.server.settings import ServerConfig
+
+
+@dataclass
+class ServerState:
+    """The engine loop and the read-only facts handlers use without asking the engine thread.
+
+    ``tokenizer`` is the engine's tokenizer, immutable after load, so handlers may render chat
+    templates and spell logprob tokens with it. ``context_tokens``: prompt + output tokens one
+    request may hold (the model's context, capped by the KV pool).
+    """
+
+    loop: EngineLoop
+    config: ServerConfig
+    metrics: Metrics
+    model_name: str
+    tokenizer: Any
+    context_tokens: int
+    namer: TokenNamer
+
+    @classmethod
+    def create(
+        cls, engine: LLMEngine, config: ServerConfig, loop: EngineLoop, metrics: Metrics
+    ) -> ServerState:
+        """Read the engine's facts; call before ``loop.start()`` (then only the thread may)."""
+        stats = engine.stats()
+        pool_tokens = int(stats["kv_blocks_total"]) * engine.config.block_size
+        tokenizer = engine.tokenizer
+        return cls(
+            loop=loop,
+            config=config,
+            metrics=metrics,
+            model_name=config.served_model_name or model_name_of(engine.loaded.path),
+            tokenizer=tokenizer,
+            context_tokens=min(engine.max_model_len, pool_tokens),
+            namer=TokenNamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)),
+        )
+
+    def check_model(self, model: str | None) -> None:
+        """A request may omit the model or name this one; anything else is a 400."""
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(
+                f"model {model!r} does not exist; this server serves {self.model_name!r}", "model"
+            )
+
+
+def model_name_of(path: str) -> str:
+    """``.../SmolLM2-135M-Instruct-Q8_0.gguf`` -> ``SmolLM2-135M-Instruct-Q8_0``."""
+    name = os.path.basename(os.path.normpath(path))
+    return name.removesuffix(".gguf") or name
