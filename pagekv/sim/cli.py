@@ -65,7 +65,9 @@ def register(subparsers: Any) -> None:
 def _study_args(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
     w.add_argument("--workload", default="sharegpt", choices=sorted(PRESETS))
-    w.add_argument("--trace", default=None, metavar="FILE", help="replay a JSON-lines trace")
+    w.add_argument(
+        "--trace", default=None, metavar="FILE", help="replay a JSON-lines trace (not --workload)"
+    )
     w.add_argument("--strict", action="store_true", help="reject a trace with a bad line")
     w.add_argument("--num-requests", type=int, default=None)
     w.add_argument("--prompt-len", default=None, help="fixed:N | uniform:LO,HI | lognormal:M,S")

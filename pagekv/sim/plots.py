@@ -52,7 +52,7 @@ def _block_axis(ax: Any, sizes: list[int]) -> None:
 def plot_util_hit(study: Study, path: Path) -> Path:
     plt = _pyplot()
     sizes = [r.block_size or 0 for r in study.paged]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
     ax.plot(sizes, [100 * r.kv_utilisation for r in study.paged], "o-", label="KV utilisation")
     ax.plot(sizes, [100 * r.prefix_hit_rate for r in study.paged], "s-", label="prefix hit rate")
     for r, style in zip(study.baselines, (":", "--", "-."), strict=False):
@@ -62,14 +62,14 @@ def plot_util_hit(study: Study, path: Path) -> Path:
     ax.set_ylabel("%")
     ax.set_ylim(0, 105)
     ax.set_title(f"{study.title}: KV utilisation and prefix hits")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
 def plot_throughput(study: Study, path: Path) -> Path:
     plt = _pyplot()
     sizes = [r.block_size or 0 for r in study.paged]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
     ax.plot(sizes, [r.throughput for r in study.paged], "o-", label="paged")
     for r, style in zip(study.baselines, (":", "--", "-."), strict=False):
         ax.axhline(r.throughput, color="grey", linestyle=style, label=r.label)
@@ -78,7 +78,7 @@ def plot_throughput(study: Study, path: Path) -> Path:
     ax.set_ylabel("generated tokens / simulated s")
     ax.set_ylim(bottom=0)
     ax.set_title(f"{study.title}: simulated throughput")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
@@ -87,7 +87,7 @@ def plot_memory_timeline(study: Study, path: Path) -> Path:
     each baseline: the gap between a pair of lines is the memory that holds no token."""
     plt = _pyplot()
     chosen = [r for r in study.paged if r.block_size == study.recommendation.block_size]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 5.2))
     for r in [*chosen, *study.baselines]:
         u = r.usage
         (line,) = ax.plot(u.times_s, u.slots, "-", label=f"{r.label}: reserved")
@@ -97,7 +97,7 @@ def plot_memory_timeline(study: Study, path: Path) -> Path:
     ax.set_ylabel("KV slots")
     ax.set_title(f"{study.title}: KV memory over time")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2, loc="upper right")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     return _save(fig, path)
 
 

@@ -41,7 +41,7 @@ class Recommendation:
 @dataclass(frozen=True)
 class Study:
     title: str
-    config: SimConfig  # the block size inside is that of the first run
+    config: SimConfig  # the settings every run shares (each paged run sets its block size)
     paged: list[SimResult]
     baselines: list[SimResult]
     recommendation: Recommendation
@@ -172,7 +172,9 @@ def markdown(study: Study, plots: Sequence[str] = ()) -> str:
         "`KVCacheManager.usage()`; contiguous: the reserved regions). int. frag: paged, "
         "slots of allocated blocks holding no token; contiguous, reserved slots that the "
         "sequence will never fill. table entries: block-table entries, time-averaged "
-        "(contiguous: one per sequence). tok/s: generated tokens per simulated second.",
+        "(contiguous: one per sequence). prefix hit: prompt tokens found in the prefix cache "
+        "at admission, including a preempted request's own blocks when it is readmitted. "
+        "tok/s: generated tokens per simulated second.",
         "",
         f"**Recommended block size: {study.recommendation.block_size}.** "
         f"{study.recommendation.reason[0].upper()}{study.recommendation.reason[1:]}",
