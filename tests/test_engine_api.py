@@ -94,7 +94,8 @@ def test_one_bad_prompt_in_a_batch_leaves_nothing_behind(llm: LLM) -> None:
 
 def test_abort_mid_generation_frees_blocks(llm: LLM) -> None:
     engine = llm.engine
-    engine.add_request("a", "Tell me a long story about dragons.", SamplingParams(max_tokens=200))
+    params = SamplingParams(max_tokens=200, ignore_eos=True, seed=0)
+    engine.add_request("a", "Tell me a long story about dragons.", params)
     for _ in range(5):
         engine.step()
     assert engine.stats()["kv_blocks_used"] > 0

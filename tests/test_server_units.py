@@ -319,7 +319,11 @@ def test_kv_page_inlines_its_data_safely() -> None:
 @pytest.mark.model
 def test_block_map_shows_shared_blocks_and_their_owners(loaded: LoadedModel) -> None:
     engine = LLMEngine(EngineConfig(num_kv_blocks=32, check_invariants=True), loaded)
-    engine.add_request("r", "One two three four five six seven eight " * 3, SamplingParams(n=2))
+    engine.add_request(
+        "r",
+        "One two three four five six seven eight " * 3,
+        SamplingParams(n=2, seed=0, ignore_eos=True),
+    )
     engine.step()
     data = engine.block_map()
     assert data["num_blocks"] == len(data["blocks"]) == 32
