@@ -5,7 +5,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 # Session fixtures with the real default model and the transformers reference.
-pytest_plugins = ["models_fixtures"]
+pytest_plugins = ["models_fixtures", "store_fixtures"]
 
 settings.register_profile(
     "ci",
