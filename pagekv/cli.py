@@ -44,6 +44,27 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
         help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
     )
     g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
+    t = parser.add_argument_group("KV tiers")
+    t.add_argument(
+        "--host-cache-memory",
+        default="0",
+        help="host memory for a host prefix cache (shared with swap space), e.g. 4GiB",
+    )
+    t.add_argument(
+        "--kv-store",
+        default=None,
+        help="storage tier: file:DIR | mooncake://HOST:PORT | redis://HOST:PORT",
+    )
+    t.add_argument(
+        "--cache-write-policy",
+        default="write_through",
+        help="write_through | write_through_selective | write_back (EngineConfig checks it)",
+    )
+    t.add_argument(
+        "--kv-store-required",
+        action="store_true",
+        help="fail at start-up if the store is unreachable (default: warn, run without it)",
+    )
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +91,11 @@ def _build_engine(args: argparse.Namespace) -> LLMEngine:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        host_cache_memory=args.host_cache_memory,
+        kv_store=args.kv_store,
+        cache_write_policy=args.cache_write_policy,
+        kv_store_required=args.kv_store_required,
+        trace=getattr(args, "trace", None),  # serve only
     )
     engine = LLMEngine(config)
     print(engine.capacity_line, file=sys.stderr)
@@ -105,7 +131,10 @@ def _stream(engine: LLMEngine, request_id: str, prompt: str, params: SamplingPar
 
 def _generate(args: argparse.Namespace) -> None:
     engine = _build_engine(args)
-    _stream(engine, "cli-0", args.prompt, _params(args))
+    try:
+        _stream(engine, "cli-0", args.prompt, _params(args))
+    finally:
+        engine.close()
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -126,6 +155,7 @@ def _chat(args: argparse.Namespace) -> None:
         prompt = engine.tokenizer.apply_chat_template(messages)
         reply = _stream(engine, f"chat-{turn}", prompt, params)
         messages.append({"role": "assistant", "content": reply})
+    engine.close()
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -152,6 +182,13 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     g.add_argument("--served-model-name", default=None)
+    g.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="record each request's arrival, lengths and prefix-block hashes (no text) for "
+        "`pagekv sim --trace FILE`",
+    )
     g.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
     g.add_argument(
         "--max-waiting-requests",

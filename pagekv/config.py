@@ -9,7 +9,9 @@ import re
 from dataclasses import dataclass
 
 from pagekv.core.scheduler import PreemptionCostModel, PreemptionMode, SchedulingPolicy
+from pagekv.core.tier_policy import WritePolicy
 from pagekv.errors import InvalidRequestError
+from pagekv.tiering.store import KVStore
 
 _UNITS = {
     "": 1,
@@ -51,7 +53,12 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    swap_space: int | str = 0  # host pool bytes for swap preemption
+    swap_space: int | str = 0  # host pool bytes for swap preemption (the same pool as below)
+    host_cache_memory: int | str = 0  # host pool bytes: a host prefix cache, and swap space
+    kv_store: str | KVStore | None = None  # "file:DIR", "redis://H:P", "mooncake://H:P", a store
+    cache_write_policy: str = "write_through"  # | "write_through_selective" | "write_back"
+    kv_store_required: bool = False  # an unreachable store fails start-up (else: a warning)
+    kv_store_timeout_s: float = 5.0  # per store call; also the longest wait for a prefetch
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -62,6 +69,7 @@ class EngineConfig:
     priority_aging_steps: int = 100  # waiting requests gain a priority level per this; 0: off
     long_prefill_token_threshold: int = 0  # per-request prefill tokens per step; 0: no cap
     check_invariants: bool = False
+    trace: str | None = None  # append each finished request's lengths + prefix hashes here
     kv_sanitizer: bool = False  # debug: fingerprint shared blocks, check them every step
 
     def __post_init__(self) -> None:
@@ -77,6 +85,19 @@ class EngineConfig:
             raise InvalidRequestError("num_kv_blocks must be >= 1", "num_kv_blocks")
         parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         parse_bytes(self.swap_space, "swap_space")
+        parse_bytes(self.host_cache_memory, "host_cache_memory")
+        WritePolicy.parse(self.cache_write_policy)
+        store = self.kv_store
+        if store is not None and (not store if isinstance(store, str) else not _is_store(store)):
+            raise InvalidRequestError(
+                f"kv_store: expected a spec like 'file:DIR' or a KVStore, got {store!r}",
+                "kv_store",
+            )
+        timeout = self.kv_store_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise InvalidRequestError(
+                f"kv_store_timeout_s must be > 0, got {timeout!r}", "kv_store_timeout_s"
+            )
         modes = [m.value for m in PreemptionMode]
         if self.preemption_mode not in modes:
             raise InvalidRequestError(
@@ -97,3 +118,30 @@ class EngineConfig:
             raise InvalidRequestError(
                 "max_num_batched_tokens must be >= block_size", "max_num_batched_tokens"
             )
+
+
+DEFAULT_STORE_HOST_CACHE = 256 * 2**20  # host pool given to a storage tier configured without one
+
+
+def host_pool_bytes(config: EngineConfig) -> int:
+    """One host pool serves swapping and the host cache; a storage tier needs one to land in."""
+    size = max(
+        parse_bytes(config.swap_space, "swap_space"),
+        parse_bytes(config.host_cache_memory, "host_cache_memory"),
+    )
+    if config.kv_store is not None and size == 0:
+        size = DEFAULT_STORE_HOST_CACHE
+    return size
+
+
+def uses_lower_tiers(config: EngineConfig) -> bool:
+    """Whether prefix blocks are written below the device (else the host pool only swaps)."""
+    return (
+        config.kv_store is not None
+        or parse_bytes(config.host_cache_memory, "host_cache_memory") > 0
+    )
+
+
+def _is_store(value: object) -> bool:
+    names = ("batch_exists", "batch_get", "batch_put", "get", "put", "close")
+    return all(callable(getattr(value, n, None)) for n in names)

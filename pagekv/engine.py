@@ -8,6 +8,8 @@ tensors; the engine wires them together and is the only thing the server and LLM
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -16,10 +18,10 @@ import torch
 
 from pagekv.beam_driver import BeamDriver
 from pagekv.beam_search import BeamSearchOutput, BeamSearchParams
-from pagekv.config import EngineConfig, parse_bytes
+from pagekv.config import EngineConfig, host_pool_bytes, parse_bytes, uses_lower_tiers
 from pagekv.core import invariants
 from pagekv.core.kv_cache_manager import KVCacheManager
-from pagekv.core.request import RequestStatus
+from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler import (
     PreemptionCostModel,
     PreemptionMode,
@@ -27,6 +29,7 @@ from pagekv.core.scheduler import (
     SchedulerConfig,
     SchedulingPolicy,
 )
+from pagekv.core.tier_policy import LoadCostModel
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 from pagekv.models.loader import LoadedModel, load_model
 from pagekv.outputs import RequestOutput
@@ -35,6 +38,9 @@ from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.model_runner import ModelRunner
 from pagekv.sampling_params import SamplingParams
 from pagekv.sanitizer import KVSanitizer
+from pagekv.sim.trace import TraceRecorder, block_hashes_hex
+from pagekv.tier_setup import build_tiers, open_configured_store
+from pagekv.tiering.manager import TierManager
 
 logger = logging.getLogger("pagekv")
 
@@ -68,10 +74,25 @@ class LLMEngine:
             raise InvalidRequestError(
                 "kv_cache_memory is smaller than one KV block", "kv_cache_memory"
             )
-        num_host = parse_bytes(config.swap_space, "swap_space") // block_bytes
+        num_host = host_pool_bytes(config) // block_bytes
+        lower_tiers = uses_lower_tiers(config)
+        store = open_configured_store(config)  # before anything big is allocated
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_host
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            num_host,
+            write_policy=config.cache_write_policy if lower_tiers else None,
+            write_storage=store is not None,
         )
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, num_host)
+        self.tiers: TierManager | None = None
+        load_cost = LoadCostModel()
+        if self.kv.host_caching:
+            self.tiers, load_cost = build_tiers(config, self.kv, self.runner, self.loaded, store)
+            self.kv.verify_host = self.tiers.verify_host
+            self.kv.write_storage = self.tiers.store is not None
+            weakref.finalize(self, self.tiers.close)  # flush writes even if close() is forgotten
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -82,10 +103,13 @@ class LLMEngine:
             priority_aging_steps=config.priority_aging_steps,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             cost_model=config.preemption_cost or PreemptionCostModel(),
+            load_cost=load_cost,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, num_host)
         self._groups: dict[str, RequestGroup] = {}
+        self._arrivals: dict[str, float] = {}  # group id -> wall-clock arrival (for the trace)
+        # Each finished request's lengths and prefix-block hashes (no text), for ``pagekv sim``.
+        self.trace = TraceRecorder(config.trace) if config.trace else None
         self._branch_of: dict[str, tuple[RequestGroup, Branch]] = {}
         self.beams = BeamDriver(self.scheduler, self.tokenizer, self.runner.release)
         self._beam_results: dict[str, BeamSearchOutput] = {}
@@ -142,6 +166,7 @@ class LLMEngine:
             request_id, (text, ids), params, self.tokenizer, (cache_salt, priority)
         )
         self._groups[request_id] = group
+        self._arrivals[request_id] = time.time()
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
         parent, *children = [b.request for b in group.branches]
@@ -151,9 +176,23 @@ class LLMEngine:
                 child.status = RequestStatus.FORK_PENDING
             parent.fork_children = children
             self.scheduler.add(parent)
+            self._prefetch(parent)
         else:
             for request in (parent, *children):
                 self.scheduler.add(request)
+                self._prefetch(request)
+
+    def _prefetch(self, request: Request) -> None:
+        """Ask the storage tier for the prefix blocks memory lacks, if waiting for them pays."""
+        tiers = self.tiers
+        if tiers is None or not tiers.available or not self.config.enable_prefix_caching:
+            return
+        chain = self.kv.prefix_chain(request)
+        start = 0
+        while start < len(chain) and self.kv.residency(chain[start]) != (None, None):
+            start += 1
+        if start < len(chain) and self.scheduler.wait_for_load(request, len(chain) - start):
+            tiers.start_prefetch(request.request_id, chain[start:])
 
     def _check_new_id(self, request_id: str) -> None:
         if request_id in self._groups or request_id in self.beams:
@@ -198,12 +237,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, update; returns an output for every group that changed."""
+        if self.tiers is not None:
+            for request_id in self.tiers.poll():
+                self.scheduler.load_done(request_id)
         plan = self.scheduler.schedule()
         if self.config.check_invariants:
             invariants.check_manager(self.kv)
             invariants.check_plan(self.kv, plan)
         if self.sanitizer is not None:
             self.sanitizer.before_execute(plan)
+        if self.tiers is not None:
+            self.tiers.apply(plan.transfers)
+            if plan.is_empty and self.scheduler.loading:
+                self.tiers.wait(0.005)  # nothing to run until a prefetch lands: nap, not spin
         sampled = self.runner.execute(plan)
         if self.sanitizer is not None:
             self.sanitizer.after_execute(plan)
@@ -235,10 +281,27 @@ class LLMEngine:
 
     def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]
+        arrival = self._arrivals.pop(group.request_id)
+        if self.trace is not None:
+            for branch in group.branches:  # one line per branch: n branches share the prompt
+                request = branch.request
+                self.trace.record(
+                    arrival,
+                    request.num_prompt_tokens,
+                    request.num_output_tokens,
+                    block_hashes_hex(request.prompt_token_ids, request.cache_salt),
+                )
         for branch in group.branches:
             rid = branch.request.request_id
             self._branch_of.pop(rid, None)
             self.runner.release(rid)
+
+    def close(self) -> None:
+        """Finish writing to the storage tier and the trace; let go of the store. Idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()
+        if self.trace is not None:
+            self.trace.close()
 
     # ---- reporting ------------------------------------------------------------------------------
 
@@ -263,6 +326,12 @@ class LLMEngine:
             "swapped_out_blocks": usage.num_swapped_out_blocks,
             "swapped_in_blocks": usage.num_swapped_in_blocks,
             **asdict(self.scheduler.counters),
+            **asdict(self.kv.tier),
+            **(asdict(self.tiers.stats) if self.tiers is not None else {}),
+            "host_blocks_total": self.kv.num_host_blocks,
+            "host_blocks_cached": (
+                len(self.kv.host_pool.index_items()) if self.kv.host_pool is not None else 0
+            ),
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_swapped": len(self.scheduler.swapped),

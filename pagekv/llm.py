@@ -42,6 +42,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Finish writing to the storage tier (``kv_store=``) and release the store."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 

@@ -9,6 +9,7 @@ prefix hit or a transfer applied in the wrong order shows up as a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,7 +62,13 @@ def manager_state(manager: KVCacheManager) -> dict[str, Any]:
         "host_tables": {r: (list(t.blocks), t.num_committed) for r, t in m._host_tables.items()},
         "pins": dict(m.pins()),
         "host_pins": dict(m.host_pins()),
-        "pending": (list(m._swap_out), list(m._swap_in), list(m._copies)),
+        "pending": (
+            list(m._swap_out),
+            list(m._swap_in),
+            list(m._copies),
+            list(m._saves),
+            list(m._loads),
+        ),
         "twins": (dict(m._host_twin), dict(m._device_twin)),
         "counters": (
             m.prefix_query_tokens,
@@ -70,6 +77,7 @@ def manager_state(manager: KVCacheManager) -> dict[str, Any]:
             m.num_swapped_out_blocks,
             m.num_swapped_in_blocks,
         ),
+        "tier": dataclasses.asdict(m.tier),
     }
 
 
@@ -90,9 +98,15 @@ class SimulatedKV:
         self.host: list[list[Signature | None]] = [
             [None] * block_size for _ in range(num_host_blocks)
         ]
+        self.storage: dict[bytes, list[Signature | None]] = {}  # first write wins, like a store
 
     def apply(self, transfers: BlockTransfers) -> None:
-        """In the documented order: swap_out, swap_in, copies."""
+        """In the documented order: saves, loads, swap_out, swap_in, copies."""
+        for save in transfers.saves:
+            source = self.host if save.on_host else self.device
+            self.storage.setdefault(save.block_hash, list(source[save.block_id]))
+        for block_hash, host_block in transfers.loads:
+            self.host[host_block] = list(self.storage[block_hash])
         for device_block, host_block in transfers.swap_out:
             self.host[host_block] = list(self.device[device_block])
         for host_block, device_block in transfers.swap_in:

@@ -16,6 +16,7 @@ committed freely in between, so pending transfers pile up across many calls befo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from core_helpers import (
@@ -38,6 +39,7 @@ from hypothesis.stateful import (
 
 from pagekv.core import KVCacheManager, Plan, Request, ScheduledRequest
 from pagekv.core.invariants import check_manager, check_no_leak, check_plan
+from pagekv.core.tier_policy import WritePolicy
 from pagekv.errors import PromptTooLongError
 
 TOKENS = st.integers(0, 2)  # a tiny alphabet, so prompts share prefixes
@@ -62,11 +64,30 @@ class KVManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(8, 24),
         block_size=st.integers(1, 4),
         num_host_blocks=st.sampled_from([16, 8, 4, 16, 8, 0]),
+        write_policy=st.sampled_from([None, *WritePolicy]),
+        storage=st.booleans(),
     )
-    def setup(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
-        self.mgr = KVCacheManager(num_blocks, block_size, True, num_host_blocks)
+    def setup(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int,
+        write_policy: WritePolicy | None,
+        storage: bool,
+    ) -> None:
+        self.mgr = KVCacheManager(
+            num_blocks,
+            block_size,
+            True,
+            num_host_blocks,
+            write_policy=write_policy,
+            write_storage=storage,
+        )
         self.bs = block_size
         self.kv = SimulatedKV(num_blocks, num_host_blocks, block_size)
+        self.corrupt: set[int] = set()  # host blocks whose bytes a rule damaged
+        # The tier manager's check, played by the simulation: the block holds its hash's K/V.
+        self.mgr.verify_host = lambda b, h: self.kv.host[b] == self.hash_content.get(h)
         self.max_tokens = (num_blocks // 2) * block_size  # no request outgrows half the pool
         self.max_prompt = min(self.max_tokens, 3 * block_size + 2)
 
@@ -134,20 +155,29 @@ class KVManagerMachine(RuleBasedStateMachine):
             content = [signature(request, i * self.bs + j) for j in range(self.bs)]
             assert self.hash_content.setdefault(block_hash, content) == content
 
+    def _expected_hits(self, request: Request, num_blocks: int) -> list[tuple[int, bool]]:
+        """Each cached block where the manager must find it: the device, else the host."""
+        mgr, hits = self.m, []
+        for block_hash in request.block_hashes[:num_blocks]:
+            device, host = mgr.residency(block_hash)
+            assert device is not None or host is not None, "a counted hit the tiers do not hold"
+            hits.append((device, False) if device is not None else (host, True))
+        return hits  # type: ignore[return-value]
+
     def _admit(self, request: Request, chunk: int) -> None:
         """Allocate as the scheduler does: look up hits, then allocate the next chunk."""
         mgr, pool, bs = self.m, self.m.pool, self.bs
         cached = mgr.num_cached_tokens(request)
         assert cached % bs == 0
         assert cached <= (request.num_tokens - 1) // bs * bs, "the last token must be recomputed"
-        looked_up = [pool.lookup(h) for h in request.block_hashes[: cached // bs]]
-        hits = [b for b in looked_up if b is not None]
-        assert hits == looked_up, "num_cached_tokens counted a block the index does not hold"
+        hits = self._expected_hits(request, cached // bs)
+        device_hits = [b for b, on_host in hits if not on_host]
         num_new = min(chunk, request.num_tokens - cached)
         can = mgr.can_allocate(request, num_new)
-        need = cdiv(cached + num_new, bs) - len(hits)
-        room = pool.num_free_blocks - sum(1 for b in hits if pool.is_evictable(b))
+        need = cdiv(cached + num_new, bs) - len(device_hits)
+        room = pool.num_free_blocks - sum(1 for b in device_hits if pool.is_evictable(b))
         num_free_before, evictions_before = len(list(pool.iter_free())), pool.num_evictions
+        failures_before = mgr.tier.host_verify_failures
         before = manager_state(mgr)
         try:
             got = mgr.allocate(request, num_new)
@@ -155,19 +185,28 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert cdiv(request.num_tokens, bs) > pool.num_blocks
             assert manager_state(mgr) == before
             return
+        verify_failed = mgr.tier.host_verify_failures > failures_before
+        if verify_failed:
+            assert any(b in self.corrupt for b, on_host in hits if on_host), "a sound block failed"
         if got is None:
-            assert not can and need > room, "allocate refused although there was room"
-            assert manager_state(mgr) == before
+            assert verify_failed or (not can and need > room), "allocate refused with room"
+            if not verify_failed:
+                assert manager_state(mgr) == before
             return
-        assert can and need <= room and got == cached
+        assert got == cached or (verify_failed and got < cached)
+        assert can or verify_failed
         table = mgr.block_table(request.request_id)
-        assert table[: len(hits)] == hits, "hits must come first in the table"
-        assert len(table) == cdiv(cached + num_new, bs)
-        for block_id, block_hash in zip(hits, request.block_hashes, strict=False):
-            assert pool.block_hash(block_id) == block_hash, f"hit block {block_id} was evicted"
-        # FREE blocks are handed out before any cached block is evicted.
-        assert pool.num_evictions - evictions_before == max(0, need - num_free_before)
-        request.num_computed_tokens = cached
+        assert len(table) == cdiv(got + num_new, bs)
+        for i, (block_id, on_host) in enumerate(hits[: got // bs]):
+            if on_host:  # a host hit: a fresh device block, filled by a swap-in this step
+                assert mgr._swap_in[table[i]] == block_id and mgr.host_pins()[block_id] >= 1
+            else:
+                assert table[i] == block_id, "device hits must keep their place in the table"
+                assert pool.block_hash(block_id) == request.block_hashes[i], "hit was evicted"
+        if not verify_failed:
+            # FREE blocks are handed out before any cached block is evicted.
+            assert pool.num_evictions - evictions_before == max(0, need - num_free_before)
+        request.num_computed_tokens = got
         self.live[request.request_id] = request
         self.busy[request.request_id] = num_new
         self._remember(request)
@@ -201,6 +240,31 @@ class KVManagerMachine(RuleBasedStateMachine):
     def resume(self, data: st.DataObject, chunk: int) -> None:
         request = self.waiting.pop(data.draw(st.integers(0, len(self.waiting) - 1)))
         self._admit(request, chunk)
+
+    @precondition(lambda self: self.kv.storage and self.m.host_caching)
+    @rule(data=st.data())
+    def prefetch(self, data: st.DataObject) -> None:
+        """Blocks the storage tier holds come back into host blocks (the tier manager's job)."""
+        hashes = data.draw(st.lists(st.sampled_from(sorted(self.kv.storage)), max_size=4))
+        host = self.m.host_pool
+        assert host is not None
+        placed = self.m.load_host(hashes)
+        for block_hash, host_block in placed:
+            assert host.block_hash(host_block) == block_hash
+            assert self.m.host_pins()[host_block] >= 1, "a load's destination must be pinned"
+            assert self.m.residency(block_hash)[0] is None, "loaded a block already on the device"
+
+    @precondition(lambda self: self.m.host_caching and self.m.host_pool.num_evictable_blocks)
+    @rule(data=st.data())
+    def corrupt_host_block(self, data: st.DataObject) -> None:
+        """Damage a cached host block's bytes: verification must keep it from being used."""
+        host = self.m.host_pool
+        assert host is not None
+        block_id = data.draw(st.sampled_from(sorted(host.iter_evictable())))
+        if block_id in self.m._swap_out or block_id in self.m._loads:
+            return  # its K/V is still on the way in and will overwrite the damage
+        self.kv.host[block_id] = [None] * self.bs
+        self.corrupt.add(block_id)
 
     # ---- growth: prefill chunks, decode, writes into forks -------------------------------------
 
@@ -274,7 +338,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         parent = self.live[data.draw(st.sampled_from(self._idle_device()))]
         child = make_request(self._new_id(), parent.prompt_token_ids, salt=parent.cache_salt)
         child.all_token_ids = list(parent.all_token_ids)
-        if parent.num_computed_tokens < parent.num_tokens and data.draw(st.booleans()):
+        last_block = (parent.num_tokens - 1) // self.bs
+        if (
+            parent.num_computed_tokens < parent.num_tokens
+            and len(parent.block_hashes) <= last_block  # never computed (a preempted parent
+            and data.draw(st.booleans())  # may have computed and hashed it before)
+        ):
             child.all_token_ids[-1] = data.draw(TOKENS)  # the branch sampled its own token
         child.num_computed_tokens = parent.num_computed_tokens
         table = list(mgr.block_table(parent.request_id))
@@ -363,7 +432,14 @@ class KVManagerMachine(RuleBasedStateMachine):
         transfers = mgr.take_transfers()
         assert not mgr.pins() and not mgr.host_pins(), "take_transfers left pins behind"
         assert not mgr.take_transfers(), "take_transfers must clear what it hands out"
-        self.kv.apply(transfers)
+        # As the tier manager does: a host block is verified before it is written to storage.
+        verify = self.m.verify_host
+        assert verify is not None
+        saves = tuple(
+            w for w in transfers.saves if not w.on_host or verify(w.block_id, w.block_hash)
+        )
+        self.kv.apply(dataclasses.replace(transfers, saves=saves))
+        self.corrupt -= {h for _, h in transfers.loads} | {h for _, h in transfers.swap_out}
         scheduled = tuple(
             ScheduledRequest(
                 self.live[rid], self.live[rid].num_computed_tokens, n, mgr.block_table(rid)
@@ -404,6 +480,15 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert self.kv.device[block_id] == self.hash_content[block_hash], (
                 f"cached block {block_id} does not hold the K/V its hash names"
             )
+        if mgr.host_caching and mgr.host_pool is not None:
+            for block_hash, block_id in mgr.host_pool.index_items():
+                if block_id in self.corrupt or block_id in mgr._swap_out or block_id in mgr._loads:
+                    continue  # damaged on purpose, or its K/V arrives with the next plan
+                assert self.kv.host[block_id] == self.hash_content[block_hash], (
+                    f"host-cached block {block_id} does not hold the K/V its hash names"
+                )
+        for block_hash, content in self.kv.storage.items():
+            assert content == self.hash_content[block_hash], "storage holds the wrong K/V"
 
     @rule(data=st.data())
     def step(self, data: st.DataObject) -> None:

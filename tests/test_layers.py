@@ -39,7 +39,14 @@ RULES = (
     Rule(
         "core imports no torch, numpy or higher layer",
         "pagekv.core",
-        forbidden=("torch", "numpy", "pagekv.runner", "pagekv.models", *UPWARD),
+        forbidden=(
+            "torch",
+            "numpy",
+            "pagekv.runner",
+            "pagekv.models",
+            "pagekv.tiering",
+            *UPWARD,
+        ),
         required=True,
     ),
     Rule(
@@ -57,15 +64,10 @@ RULES = (
         required=True,
     ),
     Rule(
-        "tiering runs no model code",
+        "tiering moves bytes: no model code, no tensors (the runner's stay the runner's)",
         "pagekv.tiering",
-        forbidden=("pagekv.models", "pagekv.runner.model_runner", *UPWARD),
-    ),
-    Rule(
-        "tiering imports torch lazily, never at module level",
-        "pagekv.tiering",
-        forbidden=("torch",),
-        module_level_only=True,
+        forbidden=("torch", "pagekv.models", "pagekv.runner", *UPWARD),
+        required=True,
     ),
     Rule(
         "server talks only to the engine (and the plain types the engine takes and returns)",

@@ -18,7 +18,7 @@ O(1) at both ends (``deque`` and ``OrderedDict``); nothing scans a list.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 
 from pagekv.errors import DoubleFreeError, InvalidRequestError, NoFreeBlocksError, UnknownBlockError
@@ -52,6 +52,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._index: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        # Told (block, hash) just before an EVICTABLE block is reused, while its K/V is intact:
+        # the tier manager's chance to write it back to a lower tier (kv_cache_manager.py).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # ---- queries (pure) -------------------------------------------------------------------
 
@@ -129,6 +132,10 @@ class BlockPool:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)
+            if self.on_evict is not None:
+                block_hash = self._hash[block_id]
+                assert block_hash is not None  # EVICTABLE means hashed
+                self.on_evict(block_id, block_hash)
             self._forget_hash(block_id)
             self.num_evictions += 1
         self._ref[block_id] = 1
@@ -198,6 +205,14 @@ class BlockPool:
         self._hash[block_id] = block_hash
         self._index[block_hash] = block_id
         return True
+
+    def discard(self, block_id: int) -> None:
+        """Drop an EVICTABLE block's content (it failed verification): it becomes FREE."""
+        if block_id not in self._evictable:
+            raise UnknownBlockError(f"block {block_id} is not evictable; only those can be dropped")
+        del self._evictable[block_id]
+        self._forget_hash(block_id)
+        self._free.append(block_id)
 
     def evict_all(self) -> int:
         """Drop every EVICTABLE block's hash (reset the prefix cache); returns how many."""

@@ -12,6 +12,8 @@ Checked:
 - every device table covers its request's computed tokens (and, for a plan, scheduled tokens)
 - no token is written into a block with ref count > 1 (copy-on-write happened first)
 - twins (device/host copies known identical) are mutual and both alive
+- only a caching host pool holds hashes; a host block being filled is pinned and carries its
+  hash (the bytes side, checksums against the store, is tiering/manager.py's ``check``)
 - once every request has ended, nothing is in use: no leak
 """
 
@@ -118,7 +120,24 @@ def check_manager(manager: KVCacheManager) -> None:
         check_pool(host)
         host_owners = _owners((rid, t.blocks) for rid, t in manager._host_tables.items())
         _check_refs(host, host_owners, manager._host_pins, "host")
+        _check_host_cache(manager, host)
     _check_twins(manager)
+
+
+def _check_host_cache(manager: KVCacheManager, host: BlockPool) -> None:
+    """Only a caching host pool holds hashes; a block still being filled is pinned and hashed."""
+    if not manager.host_caching:
+        cached = [b for b in range(host.num_blocks) if host._hash[b] is not None]
+        if cached:
+            _fail("a swap-only host pool holds prefix-cache entries", host, cached)
+        return
+    filling = [*manager._loads, *(h for h in manager._swap_out if host._hash[h] is not None)]
+    bad = [h for h in filling if manager._host_pins[h] < 1]
+    if bad:
+        _fail("a host block being filled (load or offload) is not pinned", host, bad)
+    for h, block_hash in manager._loads.items():
+        if host._hash[h] != block_hash:
+            _fail(f"host block {h} loads a hash it does not carry", host, [h])
 
 
 def _check_twins(manager: KVCacheManager) -> None:

@@ -14,24 +14,36 @@ Token positions map to slots through the table (block size B = 4 here)::
 Copy-on-write happens BEFORE the write: when a request is about to write into a block whose
 ref count is > 1, ``append_slots`` gives it a fresh block, remaps its table, and records
 (src, dst); the runner copies src -> dst before the forward pass writes the new token.
+
+The host pool has two uses and one accounting: swapped requests' blocks (in use) and, with a
+write policy, a host prefix cache (hashed blocks, evictable LRU, like the device's). A prefix
+block therefore lives on the device, the host, in storage, or several: the two pools' hash
+indexes say where (``residency``); the storage tier's own record is the tier manager's. Blocks
+move down by ``WritePolicy`` (offloads are swap-outs of hashed blocks; storage writes are
+``StorageWrite``s) and up as prefix hits: a host hit is a swap-in into a fresh device block, a
+prefetched storage block a ``load`` into a fresh host block (``load_host``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagekv.core.block_pool import BlockPool
-from pagekv.core.plan import BlockTransfers
+from pagekv.core.block_pool import BlockHash, BlockPool
+from pagekv.core.plan import BlockTransfers, StorageWrite
 from pagekv.core.prefix_cache import extend_hash_chain
 from pagekv.core.request import Request
+from pagekv.core.tier_policy import TierCounters, WritePolicy
 from pagekv.core.usage import KVUsage
 from pagekv.errors import InvalidRequestError, PromptTooLongError, UnknownRequestError
 
 
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
+
+
+Hit = tuple[int, bool]  # (block id, on_host): one logical block of a prefix hit
 
 
 @dataclass
@@ -52,6 +64,9 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
+        *,
+        write_policy: WritePolicy | str | None = None,
+        write_storage: bool = False,
     ) -> None:
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise InvalidRequestError(
@@ -79,6 +94,20 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        # Lower tiers: None keeps the host pool for swapping only and writes nothing to storage.
+        self.write_policy = None if write_policy is None else WritePolicy.parse(write_policy)
+        self.host_caching = self.write_policy is not None and self.host_pool is not None
+        self.write_storage = write_storage and self.write_policy is not None
+        self.tier = TierCounters()
+        self._saves: dict[BlockHash, StorageWrite] = {}
+        self._loads: dict[int, BlockHash] = {}  # host block <- storage (payload staged outside)
+        self._hit_counts: OrderedDict[BlockHash, int] = OrderedDict()  # write_through_selective
+        # Checks a host-cache block's bytes against what was put there (the tier manager's).
+        self.verify_host: Callable[[int, BlockHash], bool] | None = None
+        if self.write_policy is WritePolicy.WRITE_BACK:
+            self.pool.on_evict = self._on_device_evict
+            if self.host_pool is not None:
+                self.host_pool.on_evict = self._on_host_evict
 
     # ---- queries --------------------------------------------------------------------------------
 
@@ -128,30 +157,53 @@ class KVCacheManager:
         hits = self._find_hits(request)
         return self._num_missing(request, hits, num_new_tokens) + reserve_blocks <= self._room(hits)
 
-    def _find_hits(self, request: Request) -> list[int]:
-        # Hits cover whole blocks before the last target token: that token is always computed
-        # (so the request samples from fresh logits and never writes into a block it found).
-        if not self.enable_prefix_caching:
-            return []
+    def prefix_chain(self, request: Request) -> list[BlockHash]:
+        """The hashes of the request's full blocks a prefix hit may cover (all but the last
+        token's block), computing any the request does not have yet."""
         max_blocks = (request.num_target_tokens - 1) // self.block_size
         chain = request.block_hashes
         if len(chain) < max_blocks:
             tokens = request.all_token_ids[: max_blocks * self.block_size]
             extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
-        hits: list[int] = []
-        for block_hash in chain[:max_blocks]:
-            block_id = self.pool.lookup(block_hash)
+        return chain[:max_blocks]
+
+    def residency(self, block_hash: BlockHash) -> tuple[int | None, int | None]:
+        """Where a prefix block's K/V lives in memory: (device block, host block), each or None."""
+        host_pool = self.host_pool if self.host_caching else None
+        host = host_pool.lookup(block_hash) if host_pool is not None else None
+        return self.pool.lookup(block_hash), host
+
+    def _find_hits(self, request: Request) -> list[Hit]:
+        # Hits cover whole blocks before the last target token: that token is always computed
+        # (so the request samples from fresh logits and never writes into a block it found).
+        # Each block is found on the device, or else in the host cache; the first miss ends it.
+        if not self.enable_prefix_caching:
+            return []
+        lookup = self.pool.lookup
+        host_lookup = self.host_pool.lookup if self.host_caching and self.host_pool else None
+        hits: list[Hit] = []
+        for block_hash in self.prefix_chain(request):
+            block_id = lookup(block_hash)
+            if block_id is not None:
+                hits.append((block_id, False))
+                continue
+            block_id = host_lookup(block_hash) if host_lookup is not None else None
             if block_id is None:
                 break
-            hits.append(block_id)
+            hits.append((block_id, True))
         return hits
 
-    def _num_missing(self, request: Request, hits: list[int], num_new_tokens: int) -> int:
-        return cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
+    def _num_missing(self, request: Request, hits: list[Hit], num_new_tokens: int) -> int:
+        """Device blocks to allocate: for the new tokens and for every host hit."""
+        num_device_hits = sum(1 for _, on_host in hits if not on_host)
+        return cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - (
+            num_device_hits
+        )
 
-    def _room(self, hits: list[int]) -> int:
+    def _room(self, hits: list[Hit]) -> int:
         # Evictable hits leave the LRU when pinned, so they are not room for new blocks.
-        evictable_hits = sum(1 for b in hits if self.pool.is_evictable(b))
+        is_evictable = self.pool.is_evictable
+        evictable_hits = sum(1 for b, on_host in hits if not on_host and is_evictable(b))
         return self.pool.num_free_blocks - evictable_hits
 
     # ---- allocation -----------------------------------------------------------------------------
@@ -161,21 +213,63 @@ class KVCacheManager:
 
         Returns the number of tokens found in the prefix cache (the caller sets them computed),
         or None if the pool cannot hold them now (nothing changed). Hits are pinned before any
-        block is allocated, so the eviction that allocation may cause can never take them.
+        block is allocated, so the eviction that allocation may cause can never take them. A
+        host hit gets a fresh device block and a swap-in; it is verified first, and one that
+        fails ends the hit there (it is dropped, and what follows it is recomputed), so the
+        result may be fewer tokens than ``num_cached_tokens`` promised.
         """
         self._check_new(request, num_new_tokens)
-        hits = self._find_hits(request)
+        hits = self._verified(self._find_hits(request))
         num_missing = self._num_missing(request, hits, num_new_tokens)
         if num_missing > self._room(hits):
             return None
-        self.pool.touch(hits)
-        blocks = hits + self.pool.allocate(num_missing)
-        self._tables[request.request_id] = _Table(request, blocks, num_committed=len(hits))
+        self.pool.touch([b for b, on_host in hits if not on_host])
+        for b, on_host in hits:
+            if on_host:
+                self._pin_host(b)
+        fresh = iter(self.pool.allocate(num_missing))
+        blocks: list[int] = []
+        num_committed = len(hits)
+        for i, (b, on_host) in enumerate(hits):
+            if on_host:
+                # Committed once its K/V has arrived (``commit`` skips pending swap-ins).
+                num_committed = min(num_committed, i)
+                dst = next(fresh)
+                self._swap_in[dst] = b
+                blocks.append(dst)
+                self.tier.host_hit_blocks += 1
+            else:
+                blocks.append(b)
+        blocks.extend(fresh)
+        self._tables[request.request_id] = _Table(request, blocks, num_committed)
         num_hit_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += num_hit_tokens
+        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+            for (b, on_host), block_hash in zip(hits, request.block_hashes, strict=False):
+                self._count_hit(b, on_host, block_hash)
         return num_hit_tokens
+
+    def _verified(self, hits: list[Hit]) -> list[Hit]:
+        """Cut the hits at the first host block that fails ``verify_host`` (and drop that block).
+
+        A host block whose K/V is still on its way in (an offload or load of a plan not yet
+        taken) is not checked: it will be filled straight from a verified source first.
+        """
+        if self.verify_host is None or self.host_pool is None:
+            return hits
+        for i, (b, on_host) in enumerate(hits):
+            if not on_host or b in self._swap_out or b in self._loads:
+                continue
+            block_hash = self.host_pool.block_hash(b)
+            assert block_hash is not None  # a host hit is a hashed block
+            if not self.verify_host(b, block_hash):
+                self.tier.host_verify_failures += 1
+                if self.host_pool.is_evictable(b):
+                    self.host_pool.discard(b)
+                return hits[:i]
+        return hits
 
     def _check_new(self, request: Request, num_new_tokens: int) -> None:
         rid = request.request_id
@@ -308,12 +402,106 @@ class KVCacheManager:
                 # (and a pending transfer is only ever cancelled into a block nobody caches).
                 num_full = i
                 break
-            self.pool.commit(block_id, chain[i])
+            if self.pool.commit(block_id, chain[i]) and self.write_policy is (
+                WritePolicy.WRITE_THROUGH
+            ):
+                self._write_down(block_id, chain[i])
         table.num_committed = num_full
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block nobody uses; returns how many were dropped."""
-        return self.pool.evict_all()
+        """Forget every cached block nobody uses, device and host; returns how many."""
+        num = self.pool.evict_all()
+        if self.host_caching and self.host_pool is not None:
+            num += self.host_pool.evict_all()
+        return num
+
+    # ---- lower tiers: host cache and storage writes ----------------------------------------------
+
+    def load_host(self, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
+        """Place blocks prefetched from storage into new host blocks (host caching only).
+
+        Returns (hash, host block) for each one placed; the loads go out with the next plan,
+        whose applier writes the staged payloads. Hashes already in memory are skipped, and
+        placing stops when every host block is in use.
+        """
+        host = self.host_pool
+        if not self.host_caching or host is None:
+            return []
+        placed: list[tuple[BlockHash, int]] = []
+        for block_hash in hashes:
+            if host.lookup(block_hash) is not None or self.pool.lookup(block_hash) is not None:
+                continue
+            if host.num_free_blocks == 0:
+                self.tier.host_full_skips += 1
+                break
+            dst = host.allocate_one()
+            host.commit(dst, block_hash)
+            self._host_pins[dst] += 1  # the allocation's reference, dropped when taken
+            self._loads[dst] = block_hash
+            placed.append((block_hash, dst))
+        self.tier.storage_loaded_blocks += len(placed)
+        return placed
+
+    def _write_down(self, block_id: int, block_hash: BlockHash) -> None:
+        """Copy a committed device block to the tiers below (write_through, or a second hit)."""
+        if self.host_caching:
+            self._offload(block_id, block_hash)
+        if self.write_storage:
+            self._save(block_id, False, block_hash)
+
+    def _offload(self, block_id: int, block_hash: BlockHash) -> None:
+        host = self.host_pool
+        assert host is not None
+        if host.lookup(block_hash) is not None:
+            return
+        if host.num_free_blocks == 0:
+            self.tier.host_full_skips += 1
+            return
+        dst = host.allocate_one()  # may evict a host block (written back first, if so)
+        host.commit(dst, block_hash)
+        self._host_pins[dst] += 1  # the allocation's reference, dropped when taken
+        self._swap_out[dst] = block_id
+        self.tier.offloaded_blocks += 1
+
+    def _save(self, block_id: int, on_host: bool, block_hash: BlockHash) -> None:
+        if block_hash not in self._saves:
+            self._saves[block_hash] = StorageWrite(block_id, on_host, block_hash)
+            self.tier.storage_writes += 1
+
+    def _on_device_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        # write_back: the block's K/V is intact until the plan's transfers run (swap-outs and
+        # saves read before anything writes), so it is copied down as it leaves.
+        if self.host_caching:
+            self._offload(block_id, block_hash)
+        elif self.write_storage:
+            self._save(block_id, False, block_hash)
+
+    def _on_host_evict(self, block_id: int, block_hash: BlockHash) -> None:
+        if self.write_storage and self.host_caching:
+            self._save(block_id, True, block_hash)
+
+    def _count_hit(self, block_id: int, on_host: bool, block_hash: BlockHash) -> None:
+        """write_through_selective: a block is copied down at its second hit."""
+        counts = self._hit_counts
+        count = counts.pop(block_hash, 0) + 1
+        counts[block_hash] = count
+        if len(counts) > 4 * (self.pool.num_blocks + self.num_host_blocks):
+            counts.popitem(last=False)  # forget the least recently hit
+        if count != 2:
+            return
+        if not on_host:
+            self._write_down(block_id, block_hash)
+        elif self.write_storage and block_id not in self._loads:
+            # Already in the host cache; if its offload is still pending, save from the source.
+            source = self._swap_out.get(block_id)
+            if source is None:
+                self._save(block_id, True, block_hash)
+            else:
+                self._save(source, False, block_hash)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self.host_pool is None else self.host_pool.num_blocks
 
     # ---- swapping -------------------------------------------------------------------------------
 
@@ -388,7 +576,7 @@ class KVCacheManager:
         """Free blocks. A block reaching ref 0 loses its twin, and any pending transfer into it
         is cancelled: nobody will read it, and it may be handed out again this very step."""
         pool.free(blocks)
-        if not (self._host_twin or self._copies or self._swap_in or self._swap_out):
+        if not (self._host_twin or self._copies or self._swap_in or self._swap_out or self._loads):
             return
         is_host = pool is self.host_pool
         for block_id in blocks:
@@ -397,6 +585,7 @@ class KVCacheManager:
             self._break_twin(block_id, host=is_host)
             if is_host:
                 self._swap_out.pop(block_id, None)
+                self._loads.pop(block_id, None)
             elif block_id in self._copies:
                 self._unpin(self._copies.pop(block_id))
             elif block_id in self._swap_in:
@@ -435,6 +624,8 @@ class KVCacheManager:
     def take_transfers(self) -> BlockTransfers:
         """Hand out the pending transfers (in apply order) and release their sources' pins."""
         transfers = BlockTransfers(
+            saves=tuple(self._saves.values()),
+            loads=tuple((h, dst) for dst, h in self._loads.items()),
             swap_out=tuple((src, dst) for dst, src in self._swap_out.items()),
             swap_in=tuple((src, dst) for dst, src in self._swap_in.items()),
             copies=tuple((src, dst) for dst, src in self._copies.items()),
@@ -442,6 +633,8 @@ class KVCacheManager:
         self._swap_out.clear()
         self._swap_in.clear()
         self._copies.clear()
+        self._saves.clear()
+        self._loads.clear()
         if self._pins:
             pinned = list(self._pins.elements())
             self._pins.clear()

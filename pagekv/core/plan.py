@@ -3,36 +3,54 @@
 Owns nothing; frozen records. Must not import torch. Blocks cross from core to runner only as
 integer ids inside these records.
 
-Block transfers are applied by the runner before the forward pass, in this order::
+Block transfers are applied before the forward pass, in this order (0 and 1 by the engine's
+tier manager, the rest by the runner)::
 
-    1. swap_out  (device -> host)   reads device blocks that this same plan may already have
-                                    given to someone else, so it runs before anything writes
-    2. swap_in   (host -> device)   its host sources are pinned until the plan is taken, so no
-                                    swap-out of this step can overwrite them
-    3. copies    (device -> device) copy-on-write; a source may itself be a block swapped in at
-                                    step 2, and is pinned until the plan is taken
-    4. forward   writes the new tokens' K/V into their slots, never into a shared block
+    0. saves     (device or host -> storage) snapshot blocks to write to the storage tier; they
+                 read blocks this same plan may already have given to someone else (a block
+                 written back as it is evicted), so they run before anything writes
+    1. loads     (storage -> host)  K/V prefetched from storage, verified, into new host blocks
+    2. swap_out  (device -> host)   swapped requests' blocks and offloads to the host cache;
+                                    like saves, they read blocks that may have been handed out
+    3. swap_in   (host -> device)   swapped requests coming back and host-cache hits; the host
+                                    sources are pinned until the plan is taken, so no swap-out
+                                    of this step can overwrite them
+    4. copies    (device -> device) copy-on-write; a source may itself be a block swapped in at
+                                    step 3, and is pinned until the plan is taken
+    5. forward   writes the new tokens' K/V into their slots, never into a shared block
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagekv.core.block_pool import BlockHash
 from pagekv.core.request import Request
 
 BlockPair = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StorageWrite:
+    """Write one block's K/V to the storage tier under its prefix hash."""
+
+    block_id: int
+    on_host: bool  # block_id names a host block (else a device block)
+    block_hash: BlockHash
 
 
 @dataclass(frozen=True)
 class BlockTransfers:
     """Block moves to apply before the forward, in field order (see the module docstring)."""
 
-    swap_out: tuple[BlockPair, ...] = ()  # (device block, host block)
-    swap_in: tuple[BlockPair, ...] = ()  # (host block, device block)
+    saves: tuple[StorageWrite, ...] = ()
+    loads: tuple[tuple[BlockHash, int], ...] = ()  # (prefix hash, host block) from storage
+    swap_out: tuple[BlockPair, ...] = ()  # (device block, host block), offloads included
+    swap_in: tuple[BlockPair, ...] = ()  # (host block, device block), host-cache hits included
     copies: tuple[BlockPair, ...] = ()  # (source device block, destination device block)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copies)
+        return bool(self.saves or self.loads or self.swap_out or self.swap_in or self.copies)
 
 
 @dataclass(slots=True)  # not frozen: 256 of these are built every step (a third cheaper)

@@ -23,6 +23,10 @@ and a resumed request differ only in how far apart the two numbers are. Order wi
        admissions do not preempt each other; not in a step that preempted or left requests
        swapped out (they come back first)
 
+A request whose prefix is being fetched from the storage tier waits in ``loading``, outside the
+queue, so it blocks no one; it returns to ``waiting`` (in its old place) when the prefetch
+arrives or when waiting stops paying (``LoadCostModel``: never longer than recomputing).
+
 Per step, one request's chunk is capped by ``long_prefill_token_threshold`` (0: no cap), so a
 long prompt is spread over several steps instead of stretching one step for everyone (figures:
 benchmarks/RESULTS.md, "Scheduler"). ``running`` is re-sorted only after a request joined it
@@ -82,6 +86,8 @@ class Scheduler:
         self.waiting = RequestQueue(self.order.key)
         self.running: list[Request] = []
         self.swapped = RequestQueue(self.order.key)
+        self.loading: dict[str, tuple[Request, float]] = {}  # request id -> (request, deadline)
+        self.clock = clock
         self.counters = SchedulerCounters()
         self.step = 0
         self.preemption_log = RateLimitedLog(logger, config.preemption_log_interval_s, clock)
@@ -135,7 +141,9 @@ class Scheduler:
             self._detach_branch(request)
         elif request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif not self.waiting.discard(request):  # WAITING (or never queued: ``add`` raised)
+        elif self.loading.pop(request.request_id, None) is None and not self.waiting.discard(
+            request
+        ):  # WAITING (or never queued: ``add`` raised)
             self.swapped.discard(request)
         rid = request.request_id
         if self.kv.has_table(rid) or self.kv.is_swapped(rid):
@@ -151,7 +159,8 @@ class Scheduler:
                 self.counters.finished_requests += 1
 
     def _detach_branch(self, branch: Request) -> None:
-        queues = (self.waiting, self.running, self.swapped)
+        loading = [r for r, _ in self.loading.values()]
+        queues = (self.waiting, self.running, self.swapped, loading)
         for parent in (r for q in queues for r in q if r.fork_children):
             if branch in parent.fork_children:
                 parent.fork_children.remove(branch)
@@ -170,7 +179,39 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + len(self.loading)
+
+    # ---- waiting for the storage tier ---------------------------------------------------------
+
+    def wait_for_load(self, request: Request, num_blocks: int) -> bool:
+        """Hold a waiting request back while ``num_blocks`` of its prefix come from storage,
+        if the cost model says loading beats recomputing. Whether it is held."""
+        if request.status is not RequestStatus.WAITING or request not in self.waiting:
+            return False
+        cost, block_size = self.config.load_cost, self.config.block_size
+        if not cost.prefers_load(num_blocks, block_size):
+            self.counters.load_skipped += 1
+            return False
+        self.waiting.discard(request)
+        deadline = self.clock() + cost.max_wait_s(num_blocks, block_size)
+        self.loading[request.request_id] = (request, deadline)
+        self.counters.load_waits += 1
+        return True
+
+    def load_done(self, request_id: str) -> None:
+        """The prefetch for a held request arrived (or failed): it queues again."""
+        entry = self.loading.pop(request_id, None)
+        if entry is not None:
+            self.waiting.push(entry[0])
+            self.counters.loads_arrived += 1
+
+    def _expire_loads(self) -> None:
+        now = self.clock()
+        for rid, (request, deadline) in list(self.loading.items()):
+            if now >= deadline:
+                del self.loading[rid]
+                self.waiting.push(request)
+                self.counters.load_give_ups += 1
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -178,6 +219,8 @@ class Scheduler:
         self.step += 1
         budget = self.config.max_num_batched_tokens
         preempted: list[str] = []
+        if self.loading:
+            self._expire_loads()
         if self.swapped and not self._preempted_last_step:
             self._swap_in_some()
         if not self._running_sorted:
@@ -248,7 +291,8 @@ class Scheduler:
             if not self.kv.can_allocate(request, num_new, reserve):
                 break
             num_hit = self.kv.allocate(request, num_new)
-            assert num_hit == num_cached
+            if num_hit is None:  # a host hit failed verification; there is less room than seen
+                break
             self.waiting.pop()
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit

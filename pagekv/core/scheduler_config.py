@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from pagekv.core.policy import SchedulingPolicy
 from pagekv.core.preemption import PreemptionCostModel, PreemptionMode
+from pagekv.core.tier_policy import LoadCostModel
 from pagekv.errors import InvalidRequestError
 
 E = TypeVar("E", bound=Enum)
@@ -58,6 +59,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # share of the pool kept free when admitting
     cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
     preemption_log_interval_s: float = 10.0  # at most one preemption log line per interval
+    load_cost: LoadCostModel = field(default_factory=LoadCostModel)  # wait for storage or not
 
     def __post_init__(self) -> None:
         mode = _enum(PreemptionMode, self.preemption_mode, "preemption_mode")
@@ -78,6 +80,8 @@ class SchedulerConfig:
             raise InvalidRequestError(
                 f"watermark must be in [0, 1), got {self.watermark!r}", "watermark"
             )
+        if not isinstance(self.load_cost, LoadCostModel):
+            raise InvalidRequestError("load_cost must be a LoadCostModel", "load_cost")
         if not isinstance(self.cost_model, PreemptionCostModel):
             raise InvalidRequestError("cost_model must be a PreemptionCostModel", "cost_model")
         interval = self.preemption_log_interval_s
@@ -107,3 +111,7 @@ class SchedulerCounters:
     preemption_swapped_blocks: int = 0  # blocks moved to the host pool by swap preemptions
     swapped_in_requests: int = 0
     recomputed_tokens: int = 0  # computed tokens dropped by recompute preemptions
+    load_waits: int = 0  # requests held back while their prefix is fetched from storage
+    loads_arrived: int = 0  # ... whose prefetch arrived in time
+    load_give_ups: int = 0  # ... that stopped waiting at the deadline and recomputed
+    load_skipped: int = 0  # storage had their prefix, but recomputing was estimated faster

@@ -125,3 +125,15 @@ def fingerprint(config: ModelConfig, dtype: torch.dtype, files: list[str]) -> st
     digest.update(repr(config).encode())
     digest.update(str(dtype).encode())
     return digest.hexdigest()
+
+
+def content_fingerprint(loaded: LoadedModel, sample_bytes: int = 1 << 16) -> bytes:
+    """16 bytes naming the model by content (config, dtype and a sample of every parameter),
+    the same on every machine that has the same weights: keys K/V shared between engines."""
+    digest = hashlib.blake2b(repr(loaded.config).encode(), digest_size=16)
+    for name, param in loaded.model.named_parameters():
+        flat = param.detach().reshape(-1)
+        head = flat[: max(1, sample_bytes // max(1, flat.element_size()))]
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+        digest.update(head.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.digest()

@@ -106,6 +106,37 @@ class KVCache:
             moved = src_pool.index_select(0, src_index).to(dst.device)  # [P, bs, kvh, D]
             dst_pool.index_copy_(0, dst_index, moved)
 
+    @property
+    def block_nbytes(self) -> int:
+        return KVCache.bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's K/V as one bytes object: layer 0 K, layer 0 V, layer 1 K, ... .
+
+        The payload the storage tier keeps (its layout is part of the engine's fingerprint).
+        """
+        if not block_ids:
+            return []
+        index = self._index(block_ids)  # int64 [N]
+        pools = [p for kv in zip(self.k, self.v, strict=True) for p in kv]  # K0 V0 K1 V1 ...
+        stacked = torch.stack([p.index_select(0, index) for p in pools], dim=1)
+        rows = stacked.view(torch.uint8).reshape(len(block_ids), -1).cpu().numpy()  # [N, bytes]
+        return [row.tobytes() for row in rows]
+
+    def write_block(self, block_id: int, payload: bytes) -> None:
+        """Fill one block from a ``read_blocks`` payload of the same layout."""
+        if len(payload) != self.block_nbytes:
+            raise ValueError(f"payload of {len(payload)} bytes; a block holds {self.block_nbytes}")
+        index = self._index([block_id])
+        shape = (2 * self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype)
+        data = data.view(shape).to(self.device)
+        pools = [p for kv in zip(self.k, self.v, strict=True) for p in kv]
+        for pool, part in zip(pools, data, strict=True):
+            pool.index_copy_(0, index, part.unsqueeze(0))
+
     def block_fingerprint(self, block_ids: Sequence[int]) -> list[bytes]:
         """An exact digest of each block's K and V bytes over all layers.
 

@@ -48,3 +48,4 @@ def serve(engine: LLMEngine, config: ServerConfig) -> None:
         server.run()
     finally:
         loop.stop()
+        engine.close()  # finish writing to the storage tier

@@ -1,0 +1,87 @@
+"""Start-up of the KV tiers below the device: open the store, measure it, wire the tier manager.
+
+Owns nothing after start-up: it builds a ``TierManager`` (tiering/manager.py) over the KV cache
+manager and the runner's tensors, and the ``LoadCostModel`` the scheduler waits by. An
+unreachable store is a warning and the engine runs without it, unless ``kv_store_required``;
+a spec that cannot work (an unwritable directory, an unknown scheme) is always an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from pagekv.config import EngineConfig
+from pagekv.core.kv_cache_manager import KVCacheManager
+from pagekv.core.preemption import PreemptionCostModel
+from pagekv.core.tier_policy import LoadCostModel
+from pagekv.errors import InvalidRequestError
+from pagekv.models.loader import LoadedModel, content_fingerprint
+from pagekv.runner.model_runner import ModelRunner
+from pagekv.tiering.manager import BlockIO, TierManager
+from pagekv.tiering.store import KVStore, KVStoreError, StoreConfigError, open_store
+
+logger = logging.getLogger("pagekv")
+
+
+def open_configured_store(config: EngineConfig) -> KVStore | None:
+    """The store ``config.kv_store`` names, or None (with a warning) if it cannot be reached."""
+    if config.kv_store is None:
+        return None
+    if not isinstance(config.kv_store, str):
+        return config.kv_store  # a store object the caller opened (and wrapped, in tests)
+    try:
+        return open_store(config.kv_store, timeout_s=config.kv_store_timeout_s)
+    except StoreConfigError as exc:
+        raise InvalidRequestError(f"kv_store: {exc}", "kv_store") from exc
+    except KVStoreError as exc:
+        if config.kv_store_required:
+            raise InvalidRequestError(
+                f"kv_store {config.kv_store!r} is unreachable and required: {exc}", "kv_store"
+            ) from exc
+        logger.warning("KV store %r is unreachable (%s); running without it", config.kv_store, exc)
+        return None
+
+
+def build_tiers(
+    config: EngineConfig,
+    kv: KVCacheManager,
+    runner: ModelRunner,
+    loaded: LoadedModel,
+    store: KVStore | None,
+) -> tuple[TierManager, LoadCostModel]:
+    """The tier manager, and the load cost model with the store's speed measured now."""
+    host_kv = runner.host_kv
+    assert host_kv is not None, "lower tiers need a host pool"
+    io = BlockIO(runner.kv.read_blocks, host_kv.read_blocks, host_kv.write_block)
+    fingerprint = content_fingerprint(loaded) + config.block_size.to_bytes(4, "little")
+    tiers = TierManager(kv, io, fingerprint, store, retry_s=min(1.0, config.kv_store_timeout_s))
+    cost = LoadCostModel(
+        recompute_s_per_token=(
+            config.preemption_cost or PreemptionCostModel()
+        ).recompute_s_per_token,
+        timeout_s=config.kv_store_timeout_s,
+    )
+    if store is None:
+        return tiers, cost
+    try:
+        fixed_s, per_block_s = tiers.measure(runner.kv.block_nbytes)
+    except KVStoreError as exc:
+        tiers.close()
+        if config.kv_store_required:
+            raise InvalidRequestError(
+                f"kv_store {config.kv_store!r} failed its start-up probe: {exc}", "kv_store"
+            ) from exc
+        logger.warning(
+            "KV store %r failed its probe (%s); running without it", config.kv_store, exc
+        )
+        return TierManager(kv, io, fingerprint, None), cost
+    cost = replace(cost, load_s_fixed=fixed_s, load_s_per_block=per_block_s)
+    logger.info(
+        "KV store %s: %.2f ms per lookup, %.2f ms per block fetched (recompute: %.2f ms per block)",
+        config.kv_store,
+        fixed_s * 1e3,
+        per_block_s * 1e3,
+        cost.recompute_s(config.block_size) * 1e3,
+    )
+    return tiers, cost
