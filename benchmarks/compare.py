@@ -16,7 +16,17 @@ How each engine is run (model loading is outside the timing for all of them):
   on EOS. Each request is credited only its own output length (the workload's 8,885 tokens for
   ``random``); tokens generated past it are the waste static batching pays. One warm-up batch.
 - vllm: ``benchmarks/vllm_offline.py`` in ``benchmarks/.venv-vllm`` (a subprocess per round;
-  it reports its own generate() time, excluding its start-up).
+  it reports its own generate() time, excluding its start-up and a one-token warm-up). Run
+  with vLLM's documented CPU settings: ``VLLM_CPU_KVCACHE_SPACE`` (GiB; default 2, the same
+  2 GiB of KV that pagekv's offline settings give it), ``VLLM_CPU_OMP_THREADS_BIND`` (default
+  ``auto``: vLLM binds one OpenMP thread per physical core of the NUMA node), and
+  ``LD_PRELOAD`` of tcmalloc and the venv's Intel OpenMP when present. Each round also records
+  spawn -> first token and the peak memory of vLLM's whole process tree (benchmarks/peak_rss.py).
+
+``--hf-limit N`` runs HF on the first N requests only (static batching of the full ``random``
+workload takes 10+ minutes per pass here) and adds a ``pagekv@N`` engine run on the same N
+requests in the same rounds, so pagekv / hf compares like with like while pagekv / vllm stays
+on the full workload.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +51,9 @@ from pagekv.bench.offline import OfflineSettings, build_engine, run_offline, war
 from pagekv.bench.report import peak_rss_bytes
 from pagekv.bench.workloads import BenchRequest, Workload, load_workload
 from pagekv.models.loader import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_rss import TreeSampler
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / "benchmarks" / ".venv-vllm" / "bin" / "python"
@@ -57,6 +71,20 @@ def pagekv_runner(workload: Workload, dtype: str, num_threads: int) -> Runner:
         return run_offline(engine, workload, settings).elapsed_s
 
     return run
+
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_env(num_threads: int) -> dict[str, str]:
+    """vLLM's documented CPU settings (each overridable from the caller's environment)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(num_threads)}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if "LD_PRELOAD" not in env:
+        iomp = VLLM_PYTHON.parents[1] / "lib" / "libiomp5.so"
+        env["LD_PRELOAD"] = ":".join(str(p) for p in (TCMALLOC, iomp) if p.exists())
+    return env
 
 
 def hf_runner(workload: Workload, dtype: str, batch_size: int) -> Runner:
@@ -103,33 +131,55 @@ def hf_runner(workload: Workload, dtype: str, batch_size: int) -> Runner:
     return run
 
 
-def vllm_runner(workload_name: str, dtype: str, num_threads: int) -> Runner | None:
+def vllm_runner(
+    workload_name: str, dtype: str, num_threads: int, extras: list[dict[str, Any]]
+) -> Runner | None:
+    """One vLLM process per round; its start-up, env and tree memory are appended to extras."""
     if not VLLM_PYTHON.exists() or not VLLM_MODEL_DIR.exists():
         print("vllm: benchmarks/.venv-vllm not set up (run benchmarks/setup_vllm_cpu.sh)")
         return None
 
     def run() -> float:
-        env = {**os.environ, "OMP_NUM_THREADS": str(num_threads)}
-        proc = subprocess.run(
-            [
-                str(VLLM_PYTHON),
-                str(REPO / "benchmarks" / "vllm_offline.py"),
-                "--model",
-                str(VLLM_MODEL_DIR),
-                "--workload",
-                workload_name,
-                "--dtype",
-                dtype,
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
+        env = vllm_env(num_threads)
+        command = [
+            str(VLLM_PYTHON),
+            str(REPO / "benchmarks" / "vllm_offline.py"),
+            "--model",
+            str(VLLM_MODEL_DIR),
+            "--workload",
+            workload_name,
+            "--dtype",
+            dtype,
+        ]
+        spawn_unix = time.time()
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        sampler = TreeSampler(proc.pid, interval=0.2).start()
+        stdout, stderr = proc.communicate()
+        memory = sampler.stop()
+        if proc.returncode != 0:
+            print(stderr[-4000:])
+            raise RuntimeError(f"vllm_offline.py failed ({proc.returncode})")
+        result = json.loads(stdout.strip().splitlines()[-1])
+        result.update(memory)
+        result["spawn_to_first_token_s"] = result["first_token_unix"] - spawn_unix
+        result["binding_log"] = [
+            line
+            for line in stderr.splitlines()
+            if any(k in line for k in ("core ids=", "reserved_cpus", "VLLM_CPU_OMP", "KV cache"))
+        ]
+        if not extras:
+            print("  vllm env:", json.dumps(result["env"]))
+            for line in result["binding_log"]:
+                print("  vllm log:", line.strip()[-160:])
+        extras.append(result)
         print(
-            f"  vllm start-up {result['startup_s']:.1f} s, peak RSS "
-            f"{result['peak_rss_bytes'] / 2**30:.2f} GiB"
+            f"  vllm spawn -> first token {result['spawn_to_first_token_s']:.1f} s "
+            f"(import + LLM() {result['startup_s']:.1f} s); peak tree RSS "
+            f"{memory['peak_rss_sum_bytes'] / 2**30:.2f} GiB, PSS "
+            f"{memory['peak_pss_sum_bytes'] / 2**30:.2f} GiB, largest process "
+            f"{memory['peak_rss_single_bytes'] / 2**30:.2f} GiB"
         )
         return float(result["elapsed_s"])
 
@@ -144,46 +194,89 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--hf-limit", type=int, default=None, help="HF on the first N only")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     workload = load_workload(args.workload)
+    subset = workload
+    if args.hf_limit is not None:
+        subset = replace(workload, requests=workload.requests[: args.hf_limit])
     engines = args.engines.split(",")
     runners: dict[str, Runner] = {}
+    workloads: dict[str, Workload] = {}
+    vllm_extras: list[dict[str, Any]] = []
     if "pagekv" in engines:
         runners["pagekv"] = pagekv_runner(workload, args.dtype, args.num_threads)
+        workloads["pagekv"] = workload
+        if "hf" in engines and args.hf_limit is not None:
+            sub_name = f"pagekv@{args.hf_limit}"
+            runners[sub_name] = pagekv_runner(subset, args.dtype, args.num_threads)
+            workloads[sub_name] = subset
     if "hf" in engines:
-        runners["hf"] = hf_runner(workload, args.dtype, args.hf_batch)
-    if "vllm" in engines and (vllm := vllm_runner(args.workload, args.dtype, args.num_threads)):
+        hf_name = "hf" if args.hf_limit is None else f"hf@{args.hf_limit}"
+        runners[hf_name] = hf_runner(subset, args.dtype, args.hf_batch)
+        workloads[hf_name] = subset
+    if "vllm" in engines and (
+        vllm := vllm_runner(args.workload, args.dtype, args.num_threads, vllm_extras)
+    ):
         runners["vllm"] = vllm
+        workloads["vllm"] = workload
     print(
         f"workload {workload.name}: {len(workload.requests)} requests, "
         f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens; "
-        f"{args.dtype}, {args.num_threads} thread(s)"
+        f"{args.dtype}, {args.num_threads} thread(s), torch threads here "
+        f"{torch.get_num_threads()}"
     )
+    if subset is not workload:
+        print(
+            f"subset for hf: first {len(subset.requests)} requests, "
+            f"{subset.num_prompt_tokens} prompt / {subset.num_output_tokens} output tokens"
+        )
     elapsed: dict[str, list[float]] = {name: [] for name in runners}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    loads = [os.getloadavg()[0]]
     for round_index in range(args.rounds):
         for name, run in runners.items():
             seconds = run()
             elapsed[name].append(seconds)
+            loads.append(os.getloadavg()[0])
             print(
-                f"round {round_index}: {name:6s} {seconds:8.2f} s "
-                f"{workload.num_output_tokens / seconds:8.1f} output tok/s"
+                f"round {round_index}: {name:10s} {seconds:8.2f} s "
+                f"{workloads[name].num_output_tokens / seconds:8.1f} output tok/s "
+                f"(load {loads[-1]:.2f})",
+                flush=True,
             )
     summary = {
-        name: workload.num_output_tokens / statistics.median(times)
+        name: workloads[name].num_output_tokens / statistics.median(times)
         for name, times in elapsed.items()
     }
     for name, rate in summary.items():
-        print(f"{name:6s} median {rate:8.1f} output tok/s")
-    for peer in summary.keys() - {"pagekv"}:
-        if "pagekv" in summary:
-            print(f"pagekv / {peer} = {summary['pagekv'] / summary[peer]:.2f}x")
+        print(f"{name:10s} median {rate:8.1f} output tok/s")
+    ratios: dict[str, float] = {}
+    for peer in summary:
+        if peer.startswith("pagekv"):
+            continue
+        ours = f"pagekv@{args.hf_limit}" if peer.startswith("hf@") else "pagekv"
+        if ours in summary:
+            ratios[f"{ours} / {peer}"] = summary[ours] / summary[peer]
+            print(f"{ours} / {peer} = {ratios[f'{ours} / {peer}']:.2f}x")
     print(f"peak RSS of this process (pagekv + hf): {peak_rss_bytes() / 2**30:.2f} GiB")
+    print(f"started {started}, 1-min load average per run: {[round(x, 2) for x in loads]}")
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(
-                {"args": vars(args), "elapsed_s": elapsed, "output_tok_s": summary}, f, indent=2
+                {
+                    "args": vars(args),
+                    "started": started,
+                    "load_avg_1min": loads,
+                    "elapsed_s": elapsed,
+                    "output_tok_s": summary,
+                    "ratios": ratios,
+                    "vllm": vllm_extras,
+                },
+                f,
+                indent=2,
             )
 
 

@@ -2,7 +2,10 @@
 
 Runs inside benchmarks/.venv-vllm (see setup_vllm_cpu.sh), never in pagekv's environment:
     benchmarks/.venv-vllm/bin/python benchmarks/vllm_offline.py --model DIR --workload random
-Start-up (import + LLM construction) and the generate() pass are timed separately.
+Start-up (import + LLM construction), a one-token warm-up request (whose completion time is
+reported as a wall-clock timestamp, so the caller can measure process spawn -> first token) and
+the generate() pass over the workload are timed separately. ``--limit N`` keeps the first N
+requests of the workload.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,9 +31,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-gib", default="2")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     workload = load_workload(args.workload)
+    if args.limit is not None:
+        workload = replace(workload, requests=workload.requests[: args.limit])
     start = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -42,6 +49,15 @@ def main() -> None:
         seed=0,
     )
     startup = time.perf_counter() - start
+    # Warm-up and first token: one request, one token, outside the timed pass (pagekv and HF
+    # get a warm-up too). Its ids are not a prefix of any workload prompt.
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=list(range(100, 164)))],
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+        use_tqdm=False,
+    )
+    first_token_unix = time.time()
+    first_token_s = time.perf_counter() - start
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in workload.requests]
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
@@ -59,6 +75,10 @@ def main() -> None:
                 "workload": workload.name,
                 "dtype": args.dtype,
                 "startup_s": startup,
+                "first_token_s": first_token_s,
+                "first_token_unix": first_token_unix,
+                "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}
+                | {"LD_PRELOAD": os.environ.get("LD_PRELOAD", "")},
                 "elapsed_s": elapsed,
                 "output_tokens": generated,
                 "output_tok_s": generated / elapsed,

@@ -114,6 +114,7 @@ class LLMEngine:
         self.beams = BeamDriver(self.scheduler, self.tokenizer, self.runner.release)
         self._beam_results: dict[str, BeamSearchOutput] = {}
         self.sanitizer = KVSanitizer(self.kv, self.runner.kv) if config.kv_sanitizer else None
+        self._block_bytes = block_bytes
         self.capacity_line = self._capacity_line(num_blocks, block_bytes)
         logger.info(self.capacity_line)
 
@@ -328,6 +329,7 @@ class LLMEngine:
             **asdict(self.scheduler.counters),
             **asdict(self.kv.tier),
             **(asdict(self.tiers.stats) if self.tiers is not None else {}),
+            "host_hit_bytes": self.kv.tier.host_hit_blocks * self._block_bytes,
             "host_blocks_total": self.kv.num_host_blocks,
             "host_blocks_cached": (
                 len(self.kv.host_pool.index_items()) if self.kv.host_pool is not None else 0
