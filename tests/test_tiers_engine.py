@@ -103,3 +103,40 @@ def test_storage_round_trip(
     assert stats["storage_written_blocks"] > 0
     assert stats["storage_load_failures"] == stats["storage_errors"] == 0
     assert outputs == reference
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_batched_under_pressure_with_swapping_in_the_same_host_pool(
+    loaded: LoadedModel, policy: str, tmp_path: Path
+) -> None:
+    """Many requests at once on a small device pool: preemption by swap and the host cache
+    compete for one small host pool, and storage writes and prefetches run meanwhile."""
+    prompts = [
+        f"{SYSTEM if i % 2 else DOCS[i % 4]}\nUser {i}: {QUESTIONS[i % 2]}\nAssistant:"
+        for i in range(10)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def generate(**config: Any) -> tuple[list[list[int]], dict[str, Any]]:
+        engine = LLMEngine(EngineConfig(check_invariants=True, kv_sanitizer=True, **config), loaded)
+        try:
+            llm = LLM.from_engine(engine)
+            out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            out += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            check_no_leak(engine.kv)
+            return out, engine.stats()
+        finally:
+            engine.close()
+
+    expected, _ = generate(num_kv_blocks=512)
+    got, stats = generate(
+        num_kv_blocks=40,
+        max_num_seqs=6,
+        preemption_mode="swap",
+        host_cache_memory="12MiB",  # 16 blocks for swapped requests and cached prefixes alike
+        kv_store=f"file:{tmp_path}",
+        cache_write_policy=policy,
+    )
+    assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0, stats
+    assert stats["storage_written_blocks"] > 0
+    assert got == expected
