@@ -167,3 +167,27 @@ def test_store_outage_then_recovery(
         check_no_leak(engine.kv)
     finally:
         engine.close()
+
+
+def test_damaged_host_blocks_are_never_used(
+    loaded: LoadedModel, reference: list[list[int]]
+) -> None:
+    """Bytes of host-cached blocks changed behind the tier's back: caught, recomputed."""
+    engine = LLMEngine(
+        EngineConfig(num_kv_blocks=64, host_cache_memory="16MiB", check_invariants=True), loaded
+    )
+    assert engine.tiers is not None and engine.runner.host_kv is not None
+    assert ask(engine) == reference
+    host = engine.kv.host_pool
+    assert host is not None
+    cached = [b for _, b in host.index_items()]
+    assert len(cached) >= 10
+    for b in cached:  # one value of one layer's K in every cached host block
+        engine.runner.host_kv.k[3][b, 0, 0, 0] += 1.0
+    engine.kv.pool.evict_all()  # the device forgets: the host copies are the only ones
+    hits_before = engine.stats()["host_hit_blocks"]
+    assert ask(engine) == reference
+    stats = engine.stats()
+    assert stats["host_checksum_failures"] >= 1 and stats["host_verify_failures"] >= 1, str(stats)
+    assert stats["host_hit_blocks"] == hits_before  # not one damaged block was copied in
+    check_no_leak(engine.kv)

@@ -640,7 +640,9 @@ class KVCacheManager:
             self._pins.clear()
             self._release(self.pool, pinned)
         if self._host_pins and self.host_pool is not None:
-            pinned = list(self._host_pins.elements())
+            # Last pinned, first released: a chain's tail then leaves the host LRU before its
+            # head (as ``free`` does on the device), so what stays is a usable prefix.
+            pinned = list(self._host_pins.elements())[::-1]
             self._host_pins.clear()
             self._release(self.host_pool, pinned)
         return transfers

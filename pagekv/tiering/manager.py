@@ -142,16 +142,17 @@ class TierManager:
 
     def verify_host(self, block_id: int, block_hash: BlockHash) -> bool:
         """Whether host block ``block_id`` holds the bytes noted for ``block_hash``."""
+        return self._verified_host_bytes(block_id, block_hash) is not None
+
+    def _verified_host_bytes(self, block_id: int, block_hash: BlockHash) -> bytes | None:
         record = self._host_crc.get(block_id)
-        ok = (
-            record is not None
-            and record[0] == block_hash
-            and zlib.crc32(self.io.read_host([block_id])[0]) == record[1]
-        )
-        if not ok:
-            self.stats.host_checksum_failures += 1
-            logger.warning("host block %d failed verification; its tokens are recomputed", block_id)
-        return ok
+        if record is not None and record[0] == block_hash:
+            payload = self.io.read_host([block_id])[0]
+            if zlib.crc32(payload) == record[1]:
+                return payload
+        self.stats.host_checksum_failures += 1
+        logger.warning("host block %d failed verification; its tokens are recomputed", block_id)
+        return None
 
     # ---- one step's transfers ----------------------------------------------------------------
 
@@ -193,9 +194,10 @@ class TierManager:
         read_device([w.block_id for w in todo if not w.on_host])
         for w in todo:
             if w.on_host:
-                if not self.verify_host(w.block_id, w.block_hash):
+                verified = self._verified_host_bytes(w.block_id, w.block_hash)
+                if verified is None:
                     continue  # never spread damaged bytes to the store
-                payload = self.io.read_host([w.block_id])[0]
+                payload = verified
             else:
                 payload = device_bytes[w.block_id]
             try:
