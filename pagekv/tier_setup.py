@@ -9,15 +9,19 @@ a spec that cannot work (an unwritable directory, an unknown scheme) is always a
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 from pagekv.config import EngineConfig
 from pagekv.core.kv_cache_manager import KVCacheManager
+from pagekv.core.plan import BlockTransfers, Plan, ScheduledRequest
 from pagekv.core.preemption import PreemptionCostModel
+from pagekv.core.request import Request
 from pagekv.core.tier_policy import LoadCostModel
 from pagekv.errors import InvalidRequestError
 from pagekv.models.loader import LoadedModel, content_fingerprint
 from pagekv.runner.model_runner import ModelRunner
+from pagekv.sampling_params import SamplingParams
 from pagekv.tiering.manager import BlockIO, TierManager
 from pagekv.tiering.store import KVStore, KVStoreError, StoreConfigError, open_store
 
@@ -43,6 +47,24 @@ def open_configured_store(config: EngineConfig) -> KVStore | None:
         return None
 
 
+def measure_prefill_s_per_token(runner: ModelRunner, num_tokens: int = 64) -> float:
+    """Seconds per prompt token of one prefill on this machine now (the second of two runs).
+
+    Uses the device pool's first blocks directly: at start-up nothing holds them, and a free
+    block's contents are nobody's, so no manager state is touched.
+    """
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    request = Request("pagekv-startup-probe", list(range(100, 100 + num_tokens)), params)
+    table = list(range(-(num_tokens // -runner.block_size)))
+    plan = Plan(0, (ScheduledRequest(request, 0, num_tokens, table),), BlockTransfers())
+    runner.execute(plan)  # warm-up
+    start = time.perf_counter()
+    runner.execute(plan)
+    seconds = time.perf_counter() - start
+    runner.release(request.request_id)
+    return seconds / num_tokens
+
+
 def build_tiers(
     config: EngineConfig,
     kv: KVCacheManager,
@@ -50,7 +72,8 @@ def build_tiers(
     loaded: LoadedModel,
     store: KVStore | None,
 ) -> tuple[TierManager, LoadCostModel]:
-    """The tier manager, and the load cost model with the store's speed measured now."""
+    """The tier manager, and the load cost model with the store's and the model's speed
+    measured now (a probe record written and read back; a 64-token prefill)."""
     host_kv = runner.host_kv
     assert host_kv is not None, "lower tiers need a host pool"
     io = BlockIO(runner.kv.read_blocks, host_kv.read_blocks, host_kv.write_block)
@@ -64,6 +87,7 @@ def build_tiers(
     )
     if store is None:
         return tiers, cost
+    cost = replace(cost, recompute_s_per_token=measure_prefill_s_per_token(runner))
     try:
         fixed_s, per_block_s = tiers.measure(runner.kv.block_nbytes)
     except KVStoreError as exc:
