@@ -11,7 +11,9 @@ hits all of them; each figure is a ratio of medians, with every round's raw numb
 How each engine is run (model loading is outside the timing for all of them):
 - pagekv: offline engine (pagekv.bench.offline), all requests queued at once, continuous
   batching, prefix caching on, one warm-up request first.
-- hf: static batches of ``--hf-batch`` requests in workload order, left-padded, greedy, with
+- hf: static batches of ``--hf-batch`` requests in workload order (model: the GGUF, whose
+  Q4_1 weights transformers keeps packed, or the dense HF directory ``--hf-model``), left-padded,
+  greedy, with
   ``min_new_tokens = max_new_tokens = the longest output of the batch`` so no row stops early
   on EOS. Each request is credited only its own output length (the workload's 8,885 tokens for
   ``random``); tokens generated past it are the waste static batching pays. One warm-up batch.
@@ -87,13 +89,23 @@ def vllm_env(num_threads: int) -> dict[str, str]:
     return env
 
 
-def hf_runner(workload: Workload, dtype: str, batch_size: int) -> Runner:
+def hf_runner(
+    workload: Workload, dtype: str, batch_size: int, model_dir: str | None = None
+) -> Runner:
+    """``model_dir`` None: the default GGUF (transformers keeps its Q4_1 weights packed and
+    dequantizes inside every matmul); a directory: dense safetensors (e.g. VLLM_MODEL_DIR)."""
     import transformers
 
-    path = default_model_path()
-    model: Any = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
-    )
+    model: Any
+    if model_dir is None:
+        path = default_model_path()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
+        )
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)
+        )
     model.eval()
     pad_id = model.config.eos_token_id
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
@@ -161,13 +173,21 @@ def vllm_runner(
         if proc.returncode != 0:
             print(stderr[-4000:])
             raise RuntimeError(f"vllm_offline.py failed ({proc.returncode})")
-        result = json.loads(stdout.strip().splitlines()[-1])
+        # vLLM's worker processes share stdout and may log after the result line
+        line = next(x for x in reversed(stdout.splitlines()) if x.startswith('{"engine"'))
+        result = json.loads(line)
         result.update(memory)
         result["spawn_to_first_token_s"] = result["first_token_unix"] - spawn_unix
+        keys = (
+            "binding",
+            "core ids=",
+            "reserved_cpus",
+            "VLLM_CPU_OMP",
+            "KV cache",
+            "torch.compile",
+        )
         result["binding_log"] = [
-            line
-            for line in stderr.splitlines()
-            if any(k in line for k in ("core ids=", "reserved_cpus", "VLLM_CPU_OMP", "KV cache"))
+            line for line in stderr.splitlines() if any(k in line for k in keys)
         ]
         if not extras:
             print("  vllm env:", json.dumps(result["env"]))
@@ -195,6 +215,11 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--hf-limit", type=int, default=None, help="HF on the first N only")
+    parser.add_argument(
+        "--hf-model",
+        default=None,
+        help="HF directory for the hf engine (default: the GGUF, weights kept packed)",
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
@@ -215,7 +240,7 @@ def main() -> None:
             workloads[sub_name] = subset
     if "hf" in engines:
         hf_name = "hf" if args.hf_limit is None else f"hf@{args.hf_limit}"
-        runners[hf_name] = hf_runner(subset, args.dtype, args.hf_batch)
+        runners[hf_name] = hf_runner(subset, args.dtype, args.hf_batch, args.hf_model)
         workloads[hf_name] = subset
     if "vllm" in engines and (
         vllm := vllm_runner(args.workload, args.dtype, args.num_threads, vllm_extras)

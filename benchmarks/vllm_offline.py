@@ -23,6 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagekv.bench.workloads import load_workload  # numpy only: no torch, no engine
 
+ENV_KEYS = (
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "OMP_NUM_THREADS",
+    "LD_PRELOAD",
+)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -77,8 +85,7 @@ def main() -> None:
                 "startup_s": startup,
                 "first_token_s": first_token_s,
                 "first_token_unix": first_token_unix,
-                "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}
-                | {"LD_PRELOAD": os.environ.get("LD_PRELOAD", "")},
+                "env": {k: os.environ.get(k, "") for k in ENV_KEYS},
                 "elapsed_s": elapsed,
                 "output_tokens": generated,
                 "output_tok_s": generated / elapsed,
