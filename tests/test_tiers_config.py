@@ -108,7 +108,7 @@ def test_a_store_that_stops_answering_costs_no_more_than_recomputing(
         redis_server.resume()
     try:
         assert got == expected
-        assert elapsed < 10  # the request waited at most until the store's timeout
+        assert elapsed < 30  # the request waited at most until its deadline (~1 s), not forever
         deadline = time.monotonic() + 10
         while engine.stats()["storage_errors"] == 0:  # the hung call times out in the background
             assert time.monotonic() < deadline, "a hung store call was never counted"

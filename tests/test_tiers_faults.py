@@ -131,13 +131,11 @@ def test_slow_store_is_not_waited_for(
     slow = SlowStore(FileStore(str(tmp_path)), delay_s=0.25)
     engine = make(loaded, slow)
     try:
-        t0 = time.perf_counter()
         assert ask(engine) == reference
-        elapsed = time.perf_counter() - t0
         stats = engine.stats()
+        # No request was held for the store at all (timing-free: the machine is shared).
         assert stats["load_skipped"] >= 1 and stats["load_waits"] == 0
         assert stats["storage_hit_blocks"] == 0
-        assert elapsed < 10 * 0.25 * 3  # no request sat out the store's delays
     finally:
         engine.close()
 
