@@ -73,10 +73,9 @@ def _measure(
     scale = HEAD_DIM**-0.5
 
     def paged() -> torch.Tensor:
-        q32 = q.float()
         if kernel is not None:
-            return kernel(q32, k_cache, v_cache, batch, scale).to(q.dtype)
-        return decode_attention_torch(q32, k_cache, v_cache, batch, scale).to(q.dtype)
+            return kernel(q, k_cache, v_cache, batch, scale).to(q.dtype)
+        return decode_attention_torch(q, k_cache, v_cache, batch, scale).to(q.dtype)
 
     def sdpa() -> torch.Tensor:
         # 4-D [B, H, 1, D] against [B, KVH, S, D]: torch's fused CPU kernel, GQA in place

@@ -32,9 +32,10 @@ logger = logging.getLogger("pagekv")
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
-# Per (sequence, kv head): scores of the G query heads sharing that kv head against every cached
-# key (read in place through the block table), softmax in float32, then one pass over the values.
-# K and V rows are each read once; the G query heads reuse every row they load.
+# Per sequence (or per kv head of one, when sequences are fewer than threads): the scores of every
+# query head against every cached key, read in place through the block table, block by block;
+# softmax in float32; then one pass over the values. Each K and V row is read from memory once
+# and reused by the G query heads that share its kv head.
 _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
@@ -76,73 +77,115 @@ static inline __m512 load16(const uint16_t* x) {
     const __m256i raw = _mm256_loadu_si256((const __m256i*)x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+// q.k for one row, left unreduced: 16 partial sums whose total is the dot product.
 template <int D, typename KV>
-static inline void dot_group(const float* q, const KV* k, int group, float scale, float* s,
-                             long s_stride) {
-    __m512 kr[D / 16];
-    for (int i = 0; i < D / 16; ++i) kr[i] = load16(k + 16 * i);
-    for (int g = 0; g < group; ++g) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kr[0]);
-        for (int i = 1; i < D / 16; ++i)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * i), kr[i], acc);
-        s[g * s_stride] = _mm512_reduce_add_ps(acc) * scale;
-    }
+static inline __m512 row_dot(const KV* q, const KV* k) {
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int i = 1; i < D / 16; ++i)
+        acc = _mm512_fmadd_ps(load16(q + 16 * i), load16(k + 16 * i), acc);
+    return acc;
 }
 #if defined(__AVX512BF16__)
-// bfloat16 keys: multiply pairs in hardware (vdpbf16ps) against the query rounded to bf16,
-// which is exact because the query came from a bf16 model. Accumulates in float32.
+// bfloat16 rows: products of pairs in hardware (vdpbf16ps), float32 accumulation.
 template <int D>
-static inline void dot_group(const float* q, const uint16_t* k, int group, float scale,
-                             float* s, long s_stride) {
-    __m512bh kr[D / 32];
-    for (int i = 0; i < D / 32; ++i) kr[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
-    for (int g = 0; g < group; ++g) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int i = 0; i < D / 32; ++i) {
-            const float* qi = q + g * D + 32 * i;
-            const __m512bh qb = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 16),
-                                                    _mm512_loadu_ps(qi));
-            acc = _mm512_dpbf16_ps(acc, qb, kr[i]);
-        }
-        s[g * s_stride] = _mm512_reduce_add_ps(acc) * scale;
-    }
-}
-#endif
-template <int D, typename KV>
-static inline void axpy_rows(const float* p, const KV* v, long v_stride, int count, float* out) {
-    __m512 acc[D / 16];
-    for (int i = 0; i < D / 16; ++i) acc[i] = _mm512_loadu_ps(out + 16 * i);
-    for (int t = 0; t < count; ++t) {
-        const __m512 pt = _mm512_set1_ps(p[t]);
-        for (int i = 0; i < D / 16; ++i)
-            acc[i] = _mm512_fmadd_ps(pt, load16(v + t * v_stride + 16 * i), acc[i]);
-    }
-    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + 16 * i, acc[i]);
-}
-#else
-template <int D, typename KV>
-static inline void dot_group(const float* q, const KV* k, int group, float scale, float* s,
-                             long s_stride) {
-    for (int g = 0; g < group; ++g) {
-        float acc = 0.f;
-        for (int d = 0; d < D; ++d) acc += q[g * D + d] * load(k[d]);
-        s[g * s_stride] = acc * scale;
-    }
-}
-template <int D, typename KV>
-static inline void axpy_rows(const float* p, const KV* v, long v_stride, int count, float* out) {
-    for (int t = 0; t < count; ++t)
-        for (int d = 0; d < D; ++d) out[d] += p[t] * load(v[t * v_stride + d]);
+static inline __m512 row_dot(const uint16_t* q, const uint16_t* k) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int i = 0; i < D / 32; ++i)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 32 * i),
+                               (__m512bh)_mm512_loadu_si512(k + 32 * i));
+    return acc;
 }
 #endif
 
-// Blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every block
-// boundary; ask for the next block's rows (these heads only) while this one is computed.
-template <typename KV, int D>
-static inline void prefetch_block(const KV* rows, long token_stride, int count) {
+// Lane t of the result = the sum of v[t]'s 16 lanes: sixteen horizontal sums for ~35 shuffles
+// and adds, instead of sixteen separate reductions of ~9 each.
+static inline __m512 sum4_in_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
+    // per 128-bit lane L: [sum_L(a), sum_L(b), sum_L(c), sum_L(d)]
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline __m512 hsum16(const __m512* v) {
+    const __m512 r0 = sum4_in_lanes(v[0], v[1], v[2], v[3]);
+    const __m512 r1 = sum4_in_lanes(v[4], v[5], v[6], v[7]);
+    const __m512 r2 = sum4_in_lanes(v[8], v[9], v[10], v[11]);
+    const __m512 r3 = sum4_in_lanes(v[12], v[13], v[14], v[15]);
+    // add the four 128-bit lanes of each r_j, and put r_j's result in lane j
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x88),
+                                     _mm512_shuffle_f32x4(r0, r1, 0xDD));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, 0x88),
+                                     _mm512_shuffle_f32x4(r2, r3, 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88),
+                         _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+// Scores of `group` query heads (rows of q) against up to 16 key rows: s[g * stride + t].
+template <int D, typename KV>
+static inline void scores16(const KV* q, const KV* const* rows, int count, int group,
+                            float scale, float* s, long stride) {
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int g = 0; g < group; ++g) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t)
+            acc[t] = t < count ? row_dot<D>(q + g * D, rows[t]) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(s + g * stride, valid, _mm512_mul_ps(hsum16(acc), vscale));
+    }
+}
+// out[g] += sum_t p[g * p_stride + t] * rows[t] for G heads at once: each value row is widened
+// to float32 once, in registers, and the G accumulators (G * D / 16 registers) stay there.
+template <int D, int G, typename KV>
+static inline void pv_group(const float* p, long p_stride, const KV* const* rows, int count,
+                            float* out) {
+    __m512 acc[G][D / 16];
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < D / 16; ++i) acc[g][i] = _mm512_loadu_ps(out + g * D + 16 * i);
+    for (int t = 0; t < count; ++t) {
+        __m512 v[D / 16];
+        for (int i = 0; i < D / 16; ++i) v[i] = load16(rows[t] + 16 * i);
+        for (int g = 0; g < G; ++g) {
+            const __m512 pt = _mm512_set1_ps(p[g * p_stride + t]);
+            for (int i = 0; i < D / 16; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + g * D + 16 * i, acc[g][i]);
+}
+#else
+template <int D, typename KV>
+static inline void scores16(const KV* q, const KV* const* rows, int count, int group,
+                            float scale, float* s, long stride) {
+    for (int g = 0; g < group; ++g)
+        for (int t = 0; t < count; ++t) {
+            float acc = 0.f;
+            for (int d = 0; d < D; ++d) acc += load(q[g * D + d]) * load(rows[t][d]);
+            s[g * stride + t] = acc * scale;
+        }
+}
+template <int D, int G, typename KV>
+static inline void pv_group(const float* p, long p_stride, const KV* const* rows, int count,
+                            float* out) {
     for (int t = 0; t < count; ++t)
-        for (long byte = 0; byte < long(sizeof(KV)) * D; byte += 64)
-            __builtin_prefetch((const char*)(rows + t * token_stride) + byte);
+        for (int g = 0; g < G; ++g)
+            for (int d = 0; d < D; ++d) out[g * D + d] += p[g * p_stride + t] * load(rows[t][d]);
+}
+#endif
+
+// The group size is a template argument so that pv_group's accumulators live in registers;
+// uncommon sizes run one head at a time.
+template <int D, typename KV>
+static inline void pv_heads(int group, const float* p, long p_stride, const KV* const* rows,
+                            int count, float* out) {
+    switch (group) {
+        case 1: return pv_group<D, 1>(p, p_stride, rows, count, out);
+        case 2: return pv_group<D, 2>(p, p_stride, rows, count, out);
+        case 3: return pv_group<D, 3>(p, p_stride, rows, count, out);
+        case 4: return pv_group<D, 4>(p, p_stride, rows, count, out);
+        default:
+            for (int g = 0; g < group; ++g)
+                pv_group<D, 1>(p + g * p_stride, p_stride, rows, count, out + g * D);
+    }
 }
 
 static inline void softmax_rows(float* scores, int rows, int len) {
@@ -162,55 +205,58 @@ static inline void softmax_rows(float* scores, int rows, int len) {
     }
 }
 
-// One sequence, kv heads [h0, h1): scores [heads, S] in `scores`, softmax, then the weighted
-// sum of values. Blocks are the outer loop so each block's K (then V) rows for these heads are
-// read once, contiguously, and reused by every query head of their group while in cache.
+// The cache row of position `pos`, kv head `kvh`, through the block table. Also prefetches the
+// row 16 positions ahead: blocks sit anywhere in the pool, so the hardware prefetcher loses the
+// stream at every block boundary.
 template <typename KV, int D>
-static void one_sequence(const float* q, const KV* kc, const KV* vc, const int32_t* table,
+static inline const KV* row_at(const KV* cache, const int32_t* table, int pos, const Shape& sh,
+                               int kvh, int seq_len) {
+    const int ahead = pos + 16;
+    if (ahead < seq_len) {
+        const long slot = long(table[ahead / sh.block_size]) * sh.block_size
+                          + ahead % sh.block_size;
+        const char* p = (const char*)(cache + slot * sh.token_stride + long(kvh) * D);
+        for (long byte = 0; byte < long(sizeof(KV)) * D; byte += 64) __builtin_prefetch(p + byte);
+    }
+    const long slot = long(table[pos / sh.block_size]) * sh.block_size + pos % sh.block_size;
+    return cache + slot * sh.token_stride + long(kvh) * D;
+}
+
+// One sequence, kv heads [h0, h1): scores [heads, S] in `scores`, softmax, then the weighted
+// sum of values. Each K (then V) row is read once and reused by every query head of its group
+// while in cache.
+template <typename KV, int D>
+static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t* table,
                          int seq_len, const Shape& sh, int h0, int h1, float scale,
-                         float* scores, float* v_rows, float* out) {
+                         float* scores, float* out) {
     const int heads = (h1 - h0) * sh.group;
-    const int num_blocks = (seq_len + sh.block_size - 1) / sh.block_size;
-    for (int blk = 0; blk < num_blocks; ++blk) {
-        const long base = long(table[blk]) * sh.block_size;
-        const int first = blk * sh.block_size;
-        const int count = seq_len - first < sh.block_size ? seq_len - first : sh.block_size;
-        if (blk + 1 < num_blocks)
-            for (int kvh = h0; kvh < h1; ++kvh)
-                prefetch_block<KV, D>(kc + long(table[blk + 1]) * sh.block_size * sh.token_stride
-                                      + long(kvh) * D, sh.token_stride, sh.block_size);
-        for (int t = 0; t < count; ++t)
-            for (int kvh = h0; kvh < h1; ++kvh)
-                dot_group<D>(q + long(kvh) * sh.group * D,
-                             kc + (base + t) * sh.token_stride + long(kvh) * D, sh.group, scale,
-                             scores + long(kvh - h0) * sh.group * seq_len + first + t, seq_len);
+    const KV* rows[16];
+    for (int first = 0; first < seq_len; first += 16) {  // 16 positions at a time
+        const int count = seq_len - first < 16 ? seq_len - first : 16;
+        for (int kvh = h0; kvh < h1; ++kvh) {
+            for (int t = 0; t < count; ++t)
+                rows[t] = row_at<KV, D>(kc, table, first + t, sh, kvh, seq_len);
+            scores16<D>(q + long(kvh) * sh.group * D, rows, count, sh.group, scale,
+                        scores + long(kvh - h0) * sh.group * seq_len + first, seq_len);
+        }
     }
     softmax_rows(scores, heads, seq_len);
     float* acc = out + long(h0) * sh.group * D;  // [heads, D]: these heads' output rows
     std::memset(acc, 0, sizeof(float) * heads * D);
-    for (int blk = 0; blk < num_blocks; ++blk) {
-        const long base = long(table[blk]) * sh.block_size;
-        const int first = blk * sh.block_size;
-        const int count = seq_len - first < sh.block_size ? seq_len - first : sh.block_size;
-        if (blk + 1 < num_blocks)
-            for (int kvh = h0; kvh < h1; ++kvh)
-                prefetch_block<KV, D>(vc + long(table[blk + 1]) * sh.block_size * sh.token_stride
-                                      + long(kvh) * D, sh.token_stride, sh.block_size);
+    for (int first = 0; first < seq_len; first += 16) {
+        const int count = seq_len - first < 16 ? seq_len - first : 16;
         for (int kvh = h0; kvh < h1; ++kvh) {
-            const KV* v = vc + base * sh.token_stride + long(kvh) * D;
-            for (int t = 0; t < count; ++t)  // widen once; the group's heads reuse it
-                for (int d = 0; d < D; ++d) v_rows[t * D + d] = load(v[t * sh.token_stride + d]);
-            for (int g = 0; g < sh.group; ++g) {
-                const int h = (kvh - h0) * sh.group + g;
-                axpy_rows<D>(scores + long(h) * seq_len + first, v_rows, D, count,
-                             acc + long(h) * D);
-            }
+            for (int t = 0; t < count; ++t)
+                rows[t] = row_at<KV, D>(vc, table, first + t, sh, kvh, seq_len);
+            const int h = (kvh - h0) * sh.group;
+            pv_heads<D>(sh.group, scores + long(h) * seq_len + first, seq_len, rows, count,
+                        acc + long(h) * D);
         }
     }
 }
 
 template <typename KV, int D>
-static void decode(const float* q, const KV* kc, const KV* vc, const int32_t* tables,
+static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* tables,
                    const int32_t* seq_lens, float* out, int num_seqs, int table_stride,
                    int num_heads, int kv_heads, int block_size, int max_seq_len, float scale,
                    int num_threads) {
@@ -221,28 +267,26 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int32_t* ta
     #pragma omp parallel num_threads(num_threads)
     {
         float* scores = (float*)std::malloc(sizeof(float) * num_heads * (max_seq_len + 1));
-        float* v_rows = (float*)std::malloc(sizeof(float) * block_size * D);
         #pragma omp for schedule(dynamic)
         for (long task = 0; task < long(num_seqs) * split; ++task) {
             const int b = int(task / split), part = int(task % split);
             const int h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
             one_sequence<KV, D>(q + long(b) * num_heads * D, kc, vc,
                                 tables + long(b) * table_stride, seq_lens[b], sh, h0, h1,
-                                scale, scores, v_rows, out + long(b) * num_heads * D);
+                                scale, scores, out + long(b) * num_heads * D);
         }
         std::free(scores);
-        std::free(v_rows);
     }
 }
 
 #define ENTRY(NAME, KV, D)                                                                   \
-    extern "C" void NAME(const float* q, const void* kc, const void* vc,                     \
+    extern "C" void NAME(const void* q, const void* kc, const void* vc,                      \
                          const int32_t* tables, const int32_t* seq_lens, float* out,         \
                          int num_seqs, int table_stride, int num_heads, int kv_heads,        \
                          int block_size, int max_seq_len, float scale, int num_threads) {    \
-        decode<KV, D>(q, (const KV*)kc, (const KV*)vc, tables, seq_lens, out, num_seqs,      \
-                      table_stride, num_heads, kv_heads, block_size, max_seq_len, scale,     \
-                      num_threads);                                                          \
+        decode<KV, D>((const KV*)q, (const KV*)kc, (const KV*)vc, tables, seq_lens, out,     \
+                      num_seqs, table_stride, num_heads, kv_heads, block_size, max_seq_len,  \
+                      scale, num_threads);                                                   \
     }
 ENTRY(decode_f32_d64, float, 64)
 ENTRY(decode_bf16_d64, uint16_t, 64)
@@ -291,15 +335,27 @@ class DecodeKernel:
         batch: DecodeBatch,
         scale: float,
     ) -> torch.Tensor:
-        """q float32 [B, H, D]; caches [num_blocks, block_size, KVH, D] (float32 or bfloat16)
-        -> float32 [B, H, D]. All contiguous on CPU; only positions < seq_len are read.
+        """q [B, H, D] and caches [num_blocks, block_size, KVH, D], all float32 or all
+        bfloat16 (the model's dtype, so no conversion) -> float32 [B, H, D].
 
-        With bfloat16 caches, q is rounded to bfloat16 for the Q.K products (exact for the
-        queries of a bf16 model, which is the only way such caches are filled).
+        All contiguous on CPU; only positions < seq_len are read. Scores, softmax and the sum
+        of values are float32 whatever the input dtype.
         """
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        out = torch.empty_like(q)  # [B, H, D] float32
+        tables, seq_lens = batch.block_tables, batch.seq_lens
+        # The C side trusts its pointers: check what a wrong caller would get silently wrong.
+        if not (
+            q.dtype == k_cache.dtype
+            and all(t.is_contiguous() for t in (q, k_cache, v_cache, seq_lens))
+            and tables.dtype == seq_lens.dtype == torch.int32
+            and tables.stride(-1) == 1
+            and tables.shape[0] == seq_lens.shape[0] == num_seqs
+            and v_cache.shape == k_cache.shape
+            and v_cache.dtype == k_cache.dtype
+        ):
+            raise ValueError("decode kernel: wrong dtype, shape or layout of its inputs")
+        out = torch.empty(q.shape, dtype=torch.float32)  # [B, H, D]
         fn = self._functions[(k_cache.dtype, head_dim)]
         fn(
             q.data_ptr(),

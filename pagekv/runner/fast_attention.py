@@ -76,13 +76,13 @@ class FastAttention:
         out = torch.empty_like(q)  # [T, H, D]
         nd = self.layout.num_decode
         if nd:
-            q_decode = q[:nd].float()  # [nd, H, D]
             kernel = self.kernel
             if kernel is not None and kernel.supports(k_cache.dtype, q.shape[-1]):
+                q_decode = q[:nd].to(k_cache.dtype).contiguous()  # [nd, H, D], no copy if same
                 out[:nd] = kernel(q_decode, k_cache, v_cache, self.layout.decode, self.scale)
             else:
                 out[:nd] = decode_attention_torch(
-                    q_decode, k_cache, v_cache, self.layout.decode, self.scale
+                    q[:nd], k_cache, v_cache, self.layout.decode, self.scale
                 )
         for chunk in self.layout.prefill:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -133,7 +133,7 @@ def decode_attention_torch(
     scale: float,
 ) -> torch.Tensor:
     """The kernel's contract in torch ops, for when it is unavailable: gathers whole blocks
-    (not positions) and computes in float32. q float32 [B, H, D] -> float32 [B, H, D]."""
+    (not positions) and computes in float32. q [B, H, D] -> float32 [B, H, D]."""
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_blocks = -(-batch.max_seq_len // block_size)
@@ -145,7 +145,7 @@ def decode_attention_torch(
     # A slot past seq_len may hold anything, NaN included, and 0 * NaN is NaN: zero it.
     values = torch.where(valid[:, :, None, None], values.float(), 0.0)
     group = num_heads // num_kv_heads
-    q_grouped = q.view(num_seqs, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+    q_grouped = q.float().view(num_seqs, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
     scores = q_grouped @ keys.float().permute(0, 2, 3, 1) * scale  # [B, KVH, G, S]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
