@@ -220,7 +220,7 @@ def test_dead_server_then_restart(server_store: tuple[ServerProcess, KVStore], k
         start = time.monotonic()
         with pytest.raises(StoreUnavailableError):
             call()
-        assert time.monotonic() - start < 3.0
+        assert time.monotonic() - start < 6.0  # seconds, not the 30 s of a hung client
     server.start()  # same port; a restarted server starts empty
     assert eventually(lambda: store.put(key("after"), b"3" * 5000)) is True
     assert store.get(key("after")) == b"3" * 5000
@@ -234,7 +234,7 @@ def test_hung_server_times_out(server_store: tuple[ServerProcess, KVStore], key:
     start = time.monotonic()
     with pytest.raises(StoreUnavailableError):
         store.get(key("k"))
-    assert time.monotonic() - start < 2.5  # timeout_s=1.0
+    assert time.monotonic() - start < 5.0  # timeout_s=1.0; the margin is for a loaded machine
     server.resume()
     assert eventually(lambda: store.get(key("k"))) == b"v"
 
@@ -245,7 +245,7 @@ def test_unreachable_server_at_open(tmp_path: Path) -> None:
         start = time.monotonic()
         with pytest.raises(StoreUnavailableError):
             open_store(spec, timeout_s=1.0)
-        assert time.monotonic() - start < 3.0
+        assert time.monotonic() - start < 6.0  # seconds, not the 30 s of a hung client
 
 
 # -- open_store ----------------------------------------------------------------------------------
