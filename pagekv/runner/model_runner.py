@@ -16,6 +16,7 @@ One step::
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
+
+
+PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (for A/B runs)
 
 
 class AttentionBackend(enum.Enum):
@@ -67,6 +71,8 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         cfg = loaded.config
         self.model = loaded.model
+        if attention is AttentionBackend.FAST and os.environ.get(PACK_ENV, "1") != "0":
+            self.model.pack_weights()  # bf16: oneDNN-blocked weights, same numbers, faster decode
         self.dtype = next(loaded.model.parameters(), torch.empty(0, dtype=torch.float32)).dtype
         self.block_size = block_size
         shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
