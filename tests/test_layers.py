@@ -94,6 +94,13 @@ RULES = (
         module_level_only=True,
     ),
     Rule(
+        "native (the C++ build shared by models and runner) imports no torch and no pagekv",
+        "pagekv.native",
+        forbidden=("torch", "numpy"),
+        only_pagekv=(),
+        required=True,
+    ),
+    Rule(
         "models import no runner, core or higher layer",
         "pagekv.models",
         forbidden=("pagekv.runner", "pagekv.core", *UPWARD),

@@ -13,6 +13,18 @@ Prepacking (`pack_weights`, bfloat16 only): oneDNN reorders a plain bf16 weight 
 (AMX) layout inside every matmul; doing that once at load makes the decode-sized matmuls
 1.4-2x faster here, with bit-identical results. The plain parameters stay: loading, the
 fingerprint and tests read them, and prefill-sized matmuls use them (packing buys nothing there).
+
+Elementwise ops (norms, RoPE, SiLU*up) go through a ``LayerOps`` object (layer_ops.py): torch ops
+by default, the C ops of fused_ops.py when the caller sets them (``use_layer_ops``). The residual
+stream is carried between layers apart from each layer's output, as vLLM does, so that every
+residual add meets the norm after it in one ``add_rms_norm``:
+
+    h, r = norm(x), x                      first layer (r: the residual stream)
+    h, r = add_norm(attn(h), r)            r + attn, then the post-attention norm of it
+    x = mlp(h)                             next layer: h, r = add_norm(x, r); ...
+    out = add_norm(x, r)                   after the last layer, with the final norm
+
+The same sums in the same order as ``x + attn(norm(x))``, so the numbers do not change.
 """
 
 from __future__ import annotations
@@ -25,7 +37,8 @@ from torch import nn
 
 from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig
-from pagekv.models.rope import apply_rope, rope_cos_sin
+from pagekv.models.layer_ops import TORCH_OPS, LayerOps
+from pagekv.models.rope import rope_cos_sin
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
 # head_dim]) -> out [T, num_heads, head_dim]; q, k, v contiguous, in the model dtype. q and k are
@@ -81,13 +94,6 @@ def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale in the model dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
@@ -104,32 +110,44 @@ class LlamaDecoderLayer(nn.Module):
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, dtype=dtype)
         self.packed: dict[str, torch.Tensor | None] = {}  # by parameter name; pack_weights
+        self.ops: LayerOps = TORCH_OPS  # the model's use_layer_ops sets it
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
-    ) -> torch.Tensor:
-        """x [T, hidden]; cos/sin [T, head_dim // 2] float32 for each token's position."""
-        eps = self.config.rms_norm_eps
-        x = x + self._attention(rms_norm(x, self.input_layernorm, eps), cos, sin, attention)
-        return x + self._mlp(rms_norm(x, self.post_attention_layernorm, eps))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden]: the previous layer's output, or the embeddings with residual None
+        (first layer); cos/sin [T, head_dim // 2] float32 for each token's position.
+
+        Returns (this layer's output, the residual stream), both [T, hidden]; their sum is the
+        hidden state. ``residual`` may be updated in place (``LayerOps.add_rms_norm``).
+        """
+        ops, eps = self.ops, self.config.rms_norm_eps
+        if residual is None:
+            h, residual = ops.rms_norm(x, self.input_layernorm, eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm, eps)
+        h = self._attention(h, cos, sin, attention)
+        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm, eps)
+        return self._mlp(h), residual
 
     def _attention(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
         cfg = self.config
-        num_tokens = x.shape[0]
         qkv = self._linear(x, "qkv_proj", self.qkv_bias)  # [T, q_size + 2 * kv_size]
-        q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(num_tokens, cfg.num_attention_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
-        # contiguous like q and k (fresh from the rotation), so kernels may assume it
-        v = v.reshape(num_tokens, cfg.num_key_value_heads, cfg.head_dim).contiguous()
+        heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+        q, k, v = self.ops.split_rope(qkv, cos, sin, *heads)  # contiguous, q and k rotated
         out = attention(self.layer_idx, q, k, v)  # [T, num_heads, head_dim]
-        return self._linear(out.reshape(num_tokens, cfg.q_size), "o_proj")
+        return self._linear(out.reshape(x.shape[0], cfg.q_size), "o_proj")
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self._linear(x, "gate_up_proj").chunk(2, dim=-1)
-        return self._linear(F.silu(gate) * up, "down_proj")
+        gate_up = self._linear(x, "gate_up_proj")  # [T, 2 * intermediate_size]: gate, up
+        return self._linear(self.ops.silu_mul(gate_up), "down_proj")
 
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, getattr(self, name), self.packed.get(name), bias)
@@ -162,6 +180,7 @@ class LlamaForCausalLM(nn.Module):
             else _weight(config.vocab_size, config.hidden_size, dtype=dtype)
         )
         self.packed_head: torch.Tensor | None = None  # pack_weights
+        self.ops: LayerOps = TORCH_OPS  # use_layer_ops
         cos, sin = rope_cos_sin(config)  # [max_position_embeddings, head_dim // 2] each
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -173,9 +192,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attention)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x, residual = layer(x, residual, cos, sin, attention)
+        eps = self.config.rms_norm_eps
+        if residual is None:  # no layers
+            return self.ops.rms_norm(x, self.norm, eps)
+        return self.ops.add_rms_norm(x, residual, self.norm, eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
@@ -183,6 +206,13 @@ class LlamaForCausalLM(nn.Module):
 
     def _head(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """Run the elementwise ops of every layer (and the final norm) through ``ops``."""
+        self.ops = ops
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.ops = ops
 
     def pack_weights(self) -> None:
         """Prepack every matmul weight for oneDNN (bfloat16 models; a no-op otherwise).

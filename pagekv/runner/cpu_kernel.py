@@ -1,11 +1,9 @@
 """A small C++ kernel for paged decode attention on CPU, compiled on first use, loaded by ctypes.
 
-Owns the kernel's source, its build (g++, cached under ``~/.cache/pagekv/kernels`` by a hash of
-source, flags and CPU) and the ctypes call. Why not torch ops: a decode row reads its whole
-history, and gathering that history through the block table into new tensors costs a copy of
-every K/V byte per layer per step; this kernel reads each cached K/V row in place, once. Why
-ctypes and not ``torch.utils.cpp_extension``: no torch headers or pybind11, so the build takes
-about a second instead of a minute.
+Owns the kernel's source, its flags and the ctypes call; the build and its cache are
+``pagekv.native``'s. Why not torch ops: a decode row reads its whole history, and gathering that
+history through the block table into new tensors costs a copy of every K/V byte per layer per
+step; this kernel reads each cached K/V row in place, once.
 
 ``load()`` returns None (and the caller falls back to torch ops) when there is no compiler, the
 build fails, or ``PAGEKV_CPU_KERNEL=0``. Must not import ``pagekv.core``, ``models`` or ``server``.
@@ -15,22 +13,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from pagekv import native
 
 logger = logging.getLogger("pagekv")
 
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp")
 
 # Per sequence (or per kv head of one, when sequences are fewer than threads): the scores of every
 # query head against every cached key, read in place through the block table, block by block;
@@ -376,58 +370,13 @@ class DecodeKernel:
         return out
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "pagekv" / "kernels"
-
-
-def _cpu_identity() -> str:
-    """-march=native binaries are only valid on a CPU with the same features."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()}|{flags}"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "decode.cpp"
-        source.write_text(_SOURCE, encoding="utf-8")
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *CXX_FLAGS, str(source), "-o", str(built)],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        os.replace(built, target)  # atomic: a concurrent process sees all or nothing
-
-
 @functools.cache
 def load() -> DecodeKernel | None:
     """The compiled kernel, built once per machine and cached; None if unavailable."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        logger.info("no C++ compiler found; paged decode attention uses torch ops")
-        return None
-    key = hashlib.blake2b(digest_size=8)
-    for part in (_SOURCE, " ".join(CXX_FLAGS), compiler, _cpu_identity()):
-        key.update(part.encode())
-    target = _cache_dir() / f"decode_{key.hexdigest()}.so"
     try:
-        if not target.exists():
-            _build(compiler, target)
-        return DecodeKernel(ctypes.CDLL(str(target)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning(
-            "paged decode kernel unavailable (%s %s); using torch ops",
-            exc,
-            detail.decode(errors="replace")[-500:],
-        )
+        return DecodeKernel(native.build_and_load("decode", _SOURCE, CXX_FLAGS))
+    except native.NativeUnavailable as exc:
+        logger.warning("paged decode kernel unavailable (%s); using torch ops", exc)
         return None

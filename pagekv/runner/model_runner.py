@@ -16,6 +16,7 @@ One step::
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from pagekv.core.plan import Plan, ScheduledRequest
+from pagekv.models import fused_ops
+from pagekv.models.layer_ops import TORCH_OPS
 from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
 from pagekv.runner import cpu_kernel
@@ -31,6 +34,8 @@ from pagekv.runner.batch import StepInputs, prepare_step, reference_metadata
 from pagekv.runner.fast_attention import FastAttention
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.sampler import Sampler, SamplerOutput, SamplingRow
+
+logger = logging.getLogger("pagekv")
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,11 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         cfg = loaded.config
         self.model = loaded.model
-        if attention is AttentionBackend.FAST and os.environ.get(PACK_ENV, "1") != "0":
-            self.model.pack_weights()  # bf16: oneDNN-blocked weights, same numbers, faster decode
         self.dtype = next(loaded.model.parameters(), torch.empty(0, dtype=torch.float32)).dtype
+        if attention is AttentionBackend.FAST:
+            self._speed_up_model()
+        else:  # the model may be shared with a fast runner built earlier
+            self.model.use_layer_ops(TORCH_OPS)
         self.block_size = block_size
         shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv = KVCache(shape[0], num_blocks, block_size, shape[2], shape[3], self.dtype)
@@ -87,6 +94,17 @@ class ModelRunner:
         self.kernel = cpu_kernel.load() if attention is AttentionBackend.FAST else None
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+
+    def _speed_up_model(self) -> None:
+        """The fast path's changes to the model: speed only, numbers within a bf16 ulp."""
+        if os.environ.get(PACK_ENV, "1") != "0":
+            self.model.pack_weights()  # bf16: oneDNN-blocked weights, same numbers, faster decode
+        ops = fused_ops.load()  # None when disabled (PAGEKV_FUSED_OPS=0) or unavailable
+        if ops is not None and ops.supports(self.dtype):
+            self.model.use_layer_ops(ops)  # norms, RoPE, SiLU*up: one C call each
+        else:
+            logger.debug("fused layer ops not used for %s; torch ops", self.dtype)
+            self.model.use_layer_ops(TORCH_OPS)
 
     # ---- per-request sampler state --------------------------------------------------------------
 

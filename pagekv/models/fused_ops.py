@@ -1,0 +1,288 @@
+"""``LayerOps`` in C++: each of RMSNorm(+residual), RoPE+split and SiLU*up is one call per layer
+instead of 3-12 torch ops, for float32 and bfloat16 models.
+
+Owns the kernels' source and their ctypes calls; the build and its cache are ``pagekv.native``'s.
+The numbers follow ``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one
+rounding to the dtype wherever torch rounds); only the sum of squares (another order) and exp
+(another polynomial) differ, by float32 ulps. Single-threaded: the rows are short and the engine
+runs one torch thread.
+
+``load()`` returns None (callers keep ``TorchOps``) when there is no compiler, the build fails,
+or ``PAGEKV_FUSED_OPS=0``. Imports nothing from runner/ or core/.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from typing import Any
+
+import torch
+
+from pagekv import native
+
+logger = logging.getLogger("pagekv")
+
+DISABLE_ENV = "PAGEKV_FUSED_OPS"
+# omp simd pragmas only (no OpenMP runtime); no FMA contraction: g++ contracts a * b - c into one
+# rounding even under -std=c++17, and torch rounds the product first.
+CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp-simd", "-ffp-contract=off")
+
+# Plain loops that GCC vectorizes (the omp simd pragmas allow the reassociated sums; check with
+# -fopt-info-vec); bfloat16 is widened and rounded with integer ops, the same round-to-nearest-
+# even as torch.
+_SOURCE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float load(float x) { return x; }
+static inline float load(uint16_t x) {  // bfloat16 -> float32 is exact: the high 16 bits
+    return __builtin_bit_cast(float, uint32_t(x) << 16);
+}
+template <typename T> static inline T store(float f);
+template <> inline float store<float>(float f) { return f; }
+template <> inline uint16_t store<uint16_t>(float f) {  // round to nearest even, NaN stays NaN
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? uint16_t(0x7FC0) : r;
+}
+// The value torch holds after rounding to the dtype.
+template <typename T> static inline float round_to(float f) { return load(store<T>(f)); }
+
+// exp(x) for any x: Cephes' expf polynomial (rel. error ~2e-7), inf above 88.72, ~0 below -87.
+// No std::floor and no memcpy: GCC vectorizes neither.
+static inline float exp_any(float x) {
+    const float big = x > 88.72f ? INFINITY : 1.f;
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2): 1.5 * 2^23
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    return p * __builtin_bit_cast(float, bits) * big;
+}
+
+// Per row: (residual += x, rounded), then out = w * dtype(r * rsqrt(mean(r^2) + eps)). Without
+// x (null), residual is only read: the plain norm.
+template <typename T>
+static void add_rms_norm(const T* x, T* residual, const T* w, T* out, long rows, long n,
+                         float eps) {
+    for (long row = 0; row < rows; ++row) {
+        T* res = residual + row * n;
+        float sum = 0.f;
+        if (x != nullptr) {
+            const T* xr = x + row * n;
+            #pragma omp simd reduction(+:sum)
+            for (long i = 0; i < n; ++i) {
+                const T r = store<T>(load(res[i]) + load(xr[i]));
+                res[i] = r;
+                sum += load(r) * load(r);
+            }
+        } else {
+            #pragma omp simd reduction(+:sum)
+            for (long i = 0; i < n; ++i) sum += load(res[i]) * load(res[i]);
+        }
+        const float inv = 1.f / std::sqrt(sum / float(n) + eps);
+        T* o = out + row * n;
+        #pragma omp simd
+        for (long i = 0; i < n; ++i) o[i] = store<T>(load(w[i]) * round_to<T>(load(res[i]) * inv));
+    }
+}
+
+// One head: dst = rotate(src) in halves (HF's rotate_half), float32 math, rounded once.
+template <typename T>
+static inline void rotate(const T* src, T* dst, const float* c, const float* s, int half) {
+    #pragma omp simd
+    for (int i = 0; i < half; ++i) {
+        const float x1 = load(src[i]), x2 = load(src[i + half]);
+        dst[i] = store<T>(x1 * c[i] - x2 * s[i]);
+        dst[i + half] = store<T>(x2 * c[i] + x1 * s[i]);
+    }
+}
+
+// qkv rows (row_stride apart) -> contiguous q [T, H, D], k and v [T, KVH, D]; q, k rotated.
+template <typename T>
+static void split_rope(const T* qkv, long row_stride, T* q, T* k, T* v, const float* cos,
+                       const float* sin, long tokens, int heads, int kv_heads, int head_dim) {
+    const int half = head_dim / 2;
+    for (long t = 0; t < tokens; ++t) {
+        const T* src = qkv + t * row_stride;
+        const float* c = cos + t * half;
+        const float* s = sin + t * half;
+        for (int h = 0; h < heads; ++h)
+            rotate(src + long(h) * head_dim, q + (t * heads + h) * head_dim, c, s, half);
+        src += long(heads) * head_dim;
+        for (int h = 0; h < kv_heads; ++h)
+            rotate(src + long(h) * head_dim, k + (t * kv_heads + h) * head_dim, c, s, half);
+        src += long(kv_heads) * head_dim;
+        std::memcpy(v + t * kv_heads * head_dim, src, sizeof(T) * kv_heads * head_dim);
+    }
+}
+
+// out [T, I] = dtype(silu(gate)) * up, gate_up [T, 2I]; silu(g) = g / (1 + exp(-g)) in float32.
+template <typename T>
+static void silu_mul(const T* gate_up, T* out, long rows, long inter) {
+    for (long row = 0; row < rows; ++row) {
+        const T* g = gate_up + row * 2 * inter;
+        const T* u = g + inter;
+        T* o = out + row * inter;
+        #pragma omp simd
+        for (long i = 0; i < inter; ++i) {
+            const float gv = load(g[i]);
+            o[i] = store<T>(round_to<T>(gv / (1.f + exp_any(-gv))) * load(u[i]));
+        }
+    }
+}
+
+#define ENTRIES(SUFFIX, T)                                                                    \
+    extern "C" void add_rms_norm_##SUFFIX(const void* x, void* residual, const void* w,       \
+                                          void* out, long rows, long n, float eps) {          \
+        add_rms_norm<T>((const T*)x, (T*)residual, (const T*)w, (T*)out, rows, n, eps);       \
+    }                                                                                         \
+    extern "C" void split_rope_##SUFFIX(const void* qkv, long row_stride, void* q, void* k,   \
+                                        void* v, const float* cos, const float* sin,          \
+                                        long tokens, int heads, int kv_heads, int head_dim) { \
+        split_rope<T>((const T*)qkv, row_stride, (T*)q, (T*)k, (T*)v, cos, sin, tokens,       \
+                      heads, kv_heads, head_dim);                                             \
+    }                                                                                         \
+    extern "C" void silu_mul_##SUFFIX(const void* gate_up, void* out, long rows, long inter) { \
+        silu_mul<T>((const T*)gate_up, (T*)out, rows, inter);                                 \
+    }
+ENTRIES(f32, float)
+ENTRIES(bf16, uint16_t)
+"""
+
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_SIGNATURES: dict[str, list[type]] = {
+    "add_rms_norm": [_P, _P, _P, _P, _L, _L, ctypes.c_float],
+    "split_rope": [_P, _L, _P, _P, _P, _P, _P, _L, _I, _I, _I],
+    "silu_mul": [_P, _P, _L, _L],
+}
+
+
+class FusedOps:
+    """``LayerOps`` through the loaded library, for the dtypes ``supports`` accepts.
+
+    The C side trusts its pointers, so every call checks dtypes, shapes and layout first and
+    raises ValueError on a mismatch (a caller bug, not a fallback case).
+    """
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions: dict[tuple[str, torch.dtype], Any] = {}  # ctypes functions
+        for op, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIXES.items():
+                fn = getattr(library, f"{op}_{suffix}")
+                fn.restype = None
+                fn.argtypes = argtypes
+                self._functions[(op, dtype)] = fn
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _SUFFIXES
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _check_rows(x, weight)
+        out = torch.empty_like(x)
+        fn = self._functions[("add_rms_norm", x.dtype)]
+        fn(None, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Updates ``residual`` in place and returns it."""
+        _check_rows(residual, weight)
+        if not (x.is_contiguous() and x.shape == residual.shape and x.dtype == residual.dtype):
+            raise ValueError("fused add_rms_norm: x must match the residual")
+        out = torch.empty_like(x)
+        fn = self._functions[("add_rms_norm", x.dtype)]
+        rows, n = residual.shape
+        fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, eps)
+        return out, residual
+
+    def split_rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens, width = qkv.shape
+        half = cos.shape[-1]
+        head_dim = 2 * half
+        if not (
+            qkv.dtype in _SUFFIXES
+            and qkv.stride(1) == 1
+            and width == (num_heads + 2 * num_kv_heads) * head_dim
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and cos.shape == sin.shape == (num_tokens, half)
+        ):
+            raise ValueError("fused split_rope: wrong dtype, shape or layout of its inputs")
+        q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
+        k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype)
+        v = torch.empty_like(k)
+        fn = self._functions[("split_rope", qkv.dtype)]
+        fn(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not (
+            gate_up.dtype in _SUFFIXES
+            and gate_up.is_contiguous()
+            and gate_up.dim() == 2
+            and gate_up.shape[1] % 2 == 0
+        ):
+            raise ValueError("fused silu_mul: gate_up must be a contiguous [T, 2 * I]")
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        fn = self._functions[("silu_mul", gate_up.dtype)]
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+        return out
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if not (
+        x.dim() == 2
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and weight.shape == (x.shape[1],)
+        and x.dtype == weight.dtype
+        and x.dtype in _SUFFIXES
+    ):
+        raise ValueError("fused rms_norm: x must be a contiguous [T, hidden] like its weight")
+
+
+@functools.cache
+def load() -> FusedOps | None:
+    """The compiled ops, built once per machine and cached; None if unavailable or disabled."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    try:
+        return FusedOps(native.build_and_load("fused_ops", _SOURCE, CXX_FLAGS))
+    except native.NativeUnavailable as exc:
+        logger.debug("fused layer ops unavailable (%s); using torch ops", exc)
+        return None

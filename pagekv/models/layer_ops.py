@@ -1,0 +1,97 @@
+"""The elementwise ops of a Llama layer, as one swappable object: RMSNorm (with the residual add
+fused in), RoPE on the fused qkv output, SiLU-and-multiply.
+
+Owns their contract (``LayerOps``) and the reference implementation in torch ops (``TorchOps``),
+which defines the numbers: the C versions in ``fused_ops.py`` agree with it exactly where the
+math is the same (residual add, RoPE) and within a bfloat16 ulp elsewhere (a float32 sum in
+another order, another exp). Why swappable: at decode sizes each torch op costs mostly its
+dispatch, and a layer spends ~40 of them here; the runner's fast path swaps in the C ops, the
+model itself never chooses. Imports nothing from runner/ or core/.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pagekv.models.rope import apply_rope
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalize in float32, cast back, then scale in the model dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LayerOps(Protocol):
+    """What a decoder layer needs besides matmuls and attention. Tensors in the model dtype
+    unless said otherwise; T is the number of tokens."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, hidden] -> a new [T, hidden]: ``rms_norm`` above."""
+        ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed, new residual) with new residual = residual + x (rounded to the dtype) and
+        normed = rms_norm(new residual). ``residual`` may be updated in place and returned:
+        callers must not use the tensor they passed afterwards."""
+        ...
+
+    def split_rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv [T, (num_heads + 2 * num_kv_heads) * head_dim] (rows may be strided), cos/sin
+        float32 [T, head_dim // 2] -> q [T, num_heads, head_dim], k and v [T, num_kv_heads,
+        head_dim], each contiguous and new; q and k rotated as ``apply_rope`` does."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 * I] (gate, then up) -> silu(gate) * up [T, I], a new tensor."""
+        ...
+
+
+class TorchOps:
+    """The reference: plain torch ops, any dtype."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = residual + x
+        return rms_norm(residual, weight, eps), residual
+
+    def split_rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens, head_dim = qkv.shape[0], 2 * cos.shape[-1]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(num_tokens, num_heads, head_dim), cos, sin)
+        k = apply_rope(k.view(num_tokens, num_kv_heads, head_dim), cos, sin)
+        # contiguous like q and k (fresh from the rotation), so kernels may assume it
+        v = v.reshape(num_tokens, num_kv_heads, head_dim).contiguous()
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+TORCH_OPS = TorchOps()

@@ -1,0 +1,213 @@
+"""The C layer ops (``models/fused_ops.py``) against the torch reference (``layer_ops.TorchOps``):
+op by op on random data, through a whole random model, and how the runner picks them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_models import _tiny_config
+from test_packed_weights import _logits, _random_model
+
+from pagekv.models import fused_ops
+from pagekv.models.layer_ops import TORCH_OPS, LayerOps
+from pagekv.models.rope import apply_rope
+
+FUSED = fused_ops.load()
+needs_fused = pytest.mark.skipif(FUSED is None, reason="no C++ compiler: fused ops are optional")
+DTYPES = [torch.float32, torch.bfloat16]
+TOKEN_COUNTS = [1, 7, 64]
+EPS = 1e-5
+
+
+def _fused() -> LayerOps:
+    assert FUSED is not None
+    return FUSED
+
+
+def _randn(*shape: int, dtype: torch.dtype, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def assert_matches(got: torch.Tensor, expected: torch.Tensor, exact_bf16: bool = False) -> None:
+    """bfloat16: equal, or (unless exact_bf16) within one bf16 ulp at a tiny fraction of
+    elements; float32: within 1e-6 relative."""
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        return
+    differ = got != expected
+    if exact_bf16:
+        assert not differ.any(), f"{int(differ.sum())} of {got.numel()} bf16 values differ"
+        return
+    # one bf16 ulp of x is 2^(exponent(x) - 7): 8 bits of precision
+    ulp = torch.ldexp(torch.ones_like(expected.float()), torch.frexp(expected.float()).exponent - 8)
+    diff = (got.float() - expected.float()).abs()
+    assert bool((diff <= ulp).all()), f"max difference {float((diff / ulp).max())} ulp"
+    assert int(differ.sum()) <= max(1, got.numel() // 1000), f"{int(differ.sum())} differ"
+
+
+def test_the_comparison_can_fail() -> None:
+    x = _randn(64, 32, dtype=torch.bfloat16)
+    nudged = x.view(torch.int16).add(1).view(torch.bfloat16)  # every value one ulp away
+    with pytest.raises(AssertionError, match="differ"):
+        assert_matches(nudged, x)
+    y = x.clone()
+    y[0, 0] = nudged[0, 0]
+    with pytest.raises(AssertionError):
+        assert_matches(y, x, exact_bf16=True)
+    with pytest.raises(AssertionError):
+        assert_matches(x.float() * (1 + 1e-5), x.float())
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_rms_norm(dtype: torch.dtype, num_tokens: int) -> None:
+    x = _randn(num_tokens, 576, dtype=dtype, scale=3.0)
+    weight = _randn(576, dtype=dtype, seed=1) * 0.3 + 1
+    got = _fused().rms_norm(x, weight, EPS)
+    assert_matches(got, TORCH_OPS.rms_norm(x, weight, EPS))
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_add_rms_norm_updates_the_residual_in_place(dtype: torch.dtype, num_tokens: int) -> None:
+    x = _randn(num_tokens, 576, dtype=dtype, scale=2.0)
+    residual = _randn(num_tokens, 576, dtype=dtype, seed=1, scale=5.0)
+    weight = _randn(576, dtype=dtype, seed=2) * 0.3 + 1
+    expected, expected_residual = TORCH_OPS.add_rms_norm(x, residual, weight, EPS)
+    passed = residual.clone()
+    got, got_residual = _fused().add_rms_norm(x, passed, weight, EPS)
+    assert got_residual.data_ptr() == passed.data_ptr()
+    torch.testing.assert_close(got_residual, expected_residual, atol=0, rtol=0)  # same sum
+    assert_matches(got, expected)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 16), (2, 1, 128)], ids=str)
+def test_split_rope_is_exact(dtype: torch.dtype, num_tokens: int, heads: tuple) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    # a strided view, as the qkv matmul's output may be one
+    qkv = _randn(num_tokens, width + 8, dtype=dtype, scale=3.0)[:, :width]
+    angles = _randn(num_tokens, head_dim // 2, dtype=torch.float32, seed=1, scale=100.0)
+    cos, sin = angles.cos(), angles.sin()
+    got = _fused().split_rope(qkv, cos, sin, num_heads, num_kv_heads)
+    expected = TORCH_OPS.split_rope(qkv, cos, sin, num_heads, num_kv_heads)
+    for g, e in zip(got, expected, strict=True):
+        assert g.is_contiguous()
+        torch.testing.assert_close(g, e, atol=0, rtol=0)  # same float32 math, same rounding
+    q = qkv[:, : num_heads * head_dim].reshape(num_tokens, num_heads, head_dim)
+    torch.testing.assert_close(got[0], apply_rope(q, cos, sin), atol=0, rtol=0)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_silu_mul(dtype: torch.dtype, num_tokens: int) -> None:
+    gate_up = _randn(num_tokens, 2 * 1536, dtype=dtype, scale=4.0)
+    gate_up[0, :6] = torch.tensor([-200.0, -90.0, -50.0, 0.0, 50.0, 200.0]).to(dtype)  # exp ends
+    assert_matches(_fused().silu_mul(gate_up), TORCH_OPS.silu_mul(gate_up))
+
+
+@needs_fused
+def test_wrong_inputs_are_refused_not_read() -> None:
+    ops = _fused()
+    x = _randn(4, 64, dtype=torch.float32)
+    with pytest.raises(ValueError):
+        ops.rms_norm(x, torch.ones(32), EPS)  # weight of the wrong size
+    with pytest.raises(ValueError):
+        ops.rms_norm(x.t(), torch.ones(4), EPS)  # not contiguous
+    with pytest.raises(ValueError):
+        ops.add_rms_norm(x.bfloat16(), x, torch.ones(64), EPS)  # dtypes differ
+    with pytest.raises(ValueError):
+        ops.split_rope(x, torch.ones(4, 4), torch.ones(4, 4), 3, 1)  # width != 5 heads * 8
+    with pytest.raises(ValueError):
+        ops.silu_mul(x.half())  # no float16 entry
+    assert FUSED is not None and not FUSED.supports(torch.float16)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("changes", [{}, {"attention_bias": True}], ids=str)
+def test_whole_model_logits(dtype: torch.dtype, num_tokens: int, changes: dict) -> None:
+    model = _random_model(dtype, **changes)
+    ids = [(3 + 17 * i) % 60 for i in range(num_tokens)]
+    expected = _logits(model, ids)
+    model.use_layer_ops(_fused())
+    got = _logits(model, ids)
+    model.use_layer_ops(TORCH_OPS)
+    torch.testing.assert_close(_logits(model, ids), expected, atol=0, rtol=0)  # switch back
+    atol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: a rounding flip grows over layers
+    torch.testing.assert_close(got, expected, atol=atol, rtol=0)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_carrying_the_residual_does_not_change_torch_numbers() -> None:
+    """The restructured layer (residual stream apart) against the textbook pre-norm block."""
+    from models_fixtures import sdpa_attention
+
+    from pagekv.models.layer_ops import rms_norm
+
+    model = _random_model(torch.bfloat16)
+    ids = torch.tensor([3, 17, 5, 60, 2])
+    cfg, eps = model.config, model.config.rms_norm_eps
+    with torch.inference_mode():
+        cos, sin = model.rope_cos[: len(ids)], model.rope_sin[: len(ids)]
+        x = torch.nn.functional.embedding(ids, model.embed_tokens)
+        for layer in model.layers:
+            h = layer._attention(rms_norm(x, layer.input_layernorm, eps), cos, sin, sdpa_attention)
+            x = x + h
+            x = x + layer._mlp(rms_norm(x, layer.post_attention_layernorm, eps))
+        expected = rms_norm(x, model.norm, eps)
+        got = model(ids, torch.arange(len(ids)), sdpa_attention)
+    assert cfg.num_hidden_layers >= 2
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    fused_ops.load.cache_clear()
+    monkeypatch.setenv(fused_ops.DISABLE_ENV, "0")
+    try:
+        assert fused_ops.load() is None
+    finally:
+        fused_ops.load.cache_clear()
+
+
+def test_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fused_ops.load.cache_clear()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # /bin/false: found, always fails
+    try:
+        assert fused_ops.load() is None
+    finally:
+        fused_ops.load.cache_clear()
+
+
+def _runner_ops(backend_name: str, monkeypatch: pytest.MonkeyPatch, env: str) -> LayerOps:
+    from pagekv.models.loader import LoadedModel
+    from pagekv.runner.model_runner import AttentionBackend, ModelRunner
+
+    fused_ops.load.cache_clear()
+    monkeypatch.setenv(fused_ops.DISABLE_ENV, env)
+    model = _random_model(torch.bfloat16)
+    loaded = LoadedModel(_tiny_config(), model, None, "x", "fp")  # type: ignore[arg-type]
+    try:
+        ModelRunner(loaded, 4, 16, attention=AttentionBackend[backend_name])
+    finally:
+        fused_ops.load.cache_clear()
+    return model.ops
+
+
+@needs_fused
+def test_runner_uses_fused_ops_on_the_fast_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(_runner_ops("FAST", monkeypatch, "1"), fused_ops.FusedOps)
+    assert _runner_ops("FAST", monkeypatch, "0") is TORCH_OPS
+    assert _runner_ops("REFERENCE", monkeypatch, "1") is TORCH_OPS
