@@ -182,54 +182,101 @@ static inline void pv_heads(int group, const float* p, long p_stride, const KV* 
     }
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes, the same operations in the same order. (GCC leaves the scalar
+// loop below unvectorized: it calls floorf per element, which made the softmax a third of the
+// kernel's time.)
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const auto c = [](float v) { return _mm512_set1_ps(v); };
+    x = _mm512_max_ps(x, c(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, c(1.44269504f)), c(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, c(0.693359375f))),
+                                   _mm512_mul_ps(n, c(2.12194440e-4f)));
+    __m512 p = c(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), c(1.f));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline void softmax_rows(float* scores, int rows, int len) {
+    for (int h = 0; h < rows; ++h) {
+        float* x = scores + long(h) * len;
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int pos = 0; pos < len; pos += 16) {
+            const __mmask16 m = len - pos >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - pos)) - 1);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, x + pos));
+        }
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int pos = 0; pos < len; pos += 16) {
+            const __mmask16 m = len - pos >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - pos)) - 1);
+            const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + pos), top));
+            vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+            _mm512_mask_storeu_ps(x + pos, m, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+        for (int pos = 0; pos < len; pos += 16) {
+            const __mmask16 m = len - pos >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - pos)) - 1);
+            _mm512_mask_storeu_ps(x + pos, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + pos), inv));
+        }
+    }
+}
+#else
 static inline void softmax_rows(float* scores, int rows, int len) {
     for (int h = 0; h < rows; ++h) {
         float* x = scores + long(h) * len;
         float m = x[0], sum = 0.f;
-        #pragma omp simd reduction(max:m)
         for (int pos = 1; pos < len; ++pos) m = x[pos] > m ? x[pos] : m;
-        #pragma omp simd reduction(+:sum)
         for (int pos = 0; pos < len; ++pos) {
             x[pos] = exp_nonpositive(x[pos] - m);
             sum += x[pos];
         }
         const float inv = 1.f / sum;
-        #pragma omp simd
         for (int pos = 0; pos < len; ++pos) x[pos] *= inv;
     }
 }
+#endif
 
-// The cache row of position `pos`, kv head `kvh`, through the block table. Also prefetches the
-// row 16 positions ahead: blocks sit anywhere in the pool, so the hardware prefetcher loses the
-// stream at every block boundary.
+// Prefetches the rows of kv head `kvh` at slots[first, first + count): blocks sit anywhere in
+// the pool, so the hardware prefetcher loses the stream at every block boundary.
 template <typename KV, int D>
-static inline const KV* row_at(const KV* cache, const int32_t* table, int pos, const Shape& sh,
-                               int kvh, int seq_len) {
-    const int ahead = pos + 16;
-    if (ahead < seq_len) {
-        const long slot = long(table[ahead / sh.block_size]) * sh.block_size
-                          + ahead % sh.block_size;
-        const char* p = (const char*)(cache + slot * sh.token_stride + long(kvh) * D);
+static inline void prefetch_rows(const KV* cache, const long* slots, int count, long stride,
+                                 int kvh) {
+    for (int t = 0; t < count; ++t) {
+        const char* p = (const char*)(cache + slots[t] * stride + long(kvh) * D);
         for (long byte = 0; byte < long(sizeof(KV)) * D; byte += 64) __builtin_prefetch(p + byte);
     }
-    const long slot = long(table[pos / sh.block_size]) * sh.block_size + pos % sh.block_size;
-    return cache + slot * sh.token_stride + long(kvh) * D;
 }
 
 // One sequence, kv heads [h0, h1): scores [heads, S] in `scores`, softmax, then the weighted
 // sum of values. Each K (then V) row is read once and reused by every query head of its group
-// while in cache.
+// while in cache. `slots` (room for seq_len) gets each position's cache slot, walked from the
+// block table once: no division per row, and the K and V passes share it.
 template <typename KV, int D>
 static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t* table,
                          int seq_len, const Shape& sh, int h0, int h1, float scale,
-                         float* scores, float* out) {
+                         float* scores, long* slots, float* out) {
     const int heads = (h1 - h0) * sh.group;
+    const long stride = sh.token_stride;
+    for (int pos = 0, b = 0; pos < seq_len; ++b) {
+        const long base = long(table[b]) * sh.block_size;
+        for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
+    }
     const KV* rows[16];
     for (int first = 0; first < seq_len; first += 16) {  // 16 positions at a time
         const int count = seq_len - first < 16 ? seq_len - first : 16;
+        const int next = seq_len - first - 16 < 16 ? seq_len - first - 16 : 16;
         for (int kvh = h0; kvh < h1; ++kvh) {
+            if (next > 0) prefetch_rows<KV, D>(kc, slots + first + 16, next, stride, kvh);
             for (int t = 0; t < count; ++t)
-                rows[t] = row_at<KV, D>(kc, table, first + t, sh, kvh, seq_len);
+                rows[t] = kc + slots[first + t] * stride + long(kvh) * D;
             scores16<D>(q + long(kvh) * sh.group * D, rows, count, sh.group, scale,
                         scores + long(kvh - h0) * sh.group * seq_len + first, seq_len);
         }
@@ -239,9 +286,11 @@ static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t*
     std::memset(acc, 0, sizeof(float) * heads * D);
     for (int first = 0; first < seq_len; first += 16) {
         const int count = seq_len - first < 16 ? seq_len - first : 16;
+        const int next = seq_len - first - 16 < 16 ? seq_len - first - 16 : 16;
         for (int kvh = h0; kvh < h1; ++kvh) {
+            if (next > 0) prefetch_rows<KV, D>(vc, slots + first + 16, next, stride, kvh);
             for (int t = 0; t < count; ++t)
-                rows[t] = row_at<KV, D>(vc, table, first + t, sh, kvh, seq_len);
+                rows[t] = vc + slots[first + t] * stride + long(kvh) * D;
             const int h = (kvh - h0) * sh.group;
             pv_heads<D>(sh.group, scores + long(h) * seq_len + first, seq_len, rows, count,
                         acc + long(h) * D);
@@ -261,14 +310,16 @@ static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* table
     #pragma omp parallel num_threads(num_threads)
     {
         float* scores = (float*)std::malloc(sizeof(float) * num_heads * (max_seq_len + 1));
+        long* slots = (long*)std::malloc(sizeof(long) * (max_seq_len + 1));
         #pragma omp for schedule(dynamic)
         for (long task = 0; task < long(num_seqs) * split; ++task) {
             const int b = int(task / split), part = int(task % split);
             const int h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
             one_sequence<KV, D>(q + long(b) * num_heads * D, kc, vc,
                                 tables + long(b) * table_stride, seq_lens[b], sh, h0, h1,
-                                scale, scores, out + long(b) * num_heads * D);
+                                scale, scores, slots, out + long(b) * num_heads * D);
         }
+        std::free(slots);
         std::free(scores);
     }
 }
