@@ -205,26 +205,32 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+static inline __mmask16 first_lanes(int n) {  // lanes [0, min(n, 16))
+    return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+
 static inline void softmax_rows(float* scores, int rows, int len) {
     for (int h = 0; h < rows; ++h) {
         float* x = scores + long(h) * len;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = len - pos >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - pos)) - 1);
+            const __mmask16 m = first_lanes(len - pos);
             vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, x + pos));
         }
         const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
         __m512 vsum = _mm512_setzero_ps();
         for (int pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = len - pos >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - pos)) - 1);
-            const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + pos), top));
+            const __mmask16 m = first_lanes(len - pos);
+            const __m512 x16 = _mm512_maskz_loadu_ps(m, x + pos);
+            const __m512 e = exp_nonpositive16(_mm512_sub_ps(x16, top));
             vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
             _mm512_mask_storeu_ps(x + pos, m, e);
         }
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
         for (int pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = len - pos >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (len - pos)) - 1);
-            _mm512_mask_storeu_ps(x + pos, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + pos), inv));
+            const __mmask16 m = first_lanes(len - pos);
+            const __m512 e = _mm512_maskz_loadu_ps(m, x + pos);
+            _mm512_mask_storeu_ps(x + pos, m, _mm512_mul_ps(e, inv));
         }
     }
 }
