@@ -199,3 +199,21 @@ def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
 def test_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError):
         Sampler()(torch.zeros(2, 5), _rows(SamplingParams(), 3))
+
+
+def test_argmax_rows_matches_torch_with_ties_nan_and_infinities() -> None:
+    from pagekv.runner.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 1000, generator=gen)
+    x[1, [10, 700]] = 50.0  # a tie: the lower id wins
+    x[2, 333] = float("nan")  # NaN counts as the maximum
+    x[3] = float("-inf")  # all -inf: id 0
+    x[4, 999] = float("inf")
+    x[5] = x[5].round()  # many ties
+    got = argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=-1).tolist()
+    assert got[1] == 10 and got[2] == 333 and got[3] == 0 and got[4] == 999
+    strided = x.t().contiguous().t()  # same values, column-major
+    assert argmax_rows(strided).tolist() == got.tolist()

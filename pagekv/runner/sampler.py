@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagekv.sampling_params import SamplingParams
@@ -80,7 +81,7 @@ class Sampler:
         processed = _suppress_stop_tokens(logits, rows)  # [B, V]
         # Greedy for every row first (argmax breaks ties toward the lowest id); sampled rows
         # are overwritten below.
-        token_ids = processed.argmax(dim=-1)  # int64 [B]
+        token_ids = argmax_rows(processed)  # int64 [B]
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)  # int64 [S]
@@ -121,7 +122,16 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     scaled = _apply_min_p(scaled, rows)
     probs = torch.softmax(scaled, dim=-1)  # [S, V]
     noise = _exponential_noise(probs, rows)  # [S, V]
-    return (probs / noise).argmax(dim=-1)
+    return argmax_rows(probs / noise)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for float32 [B, V]: the first maximum of each row (NaN counts as the
+    maximum, as in torch). On CPU through numpy, whose SIMD argmax is ~8x faster than torch's
+    here (0.8 vs 6 ms for 64 x 49,152): one of these runs every step."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return x.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(x.contiguous().numpy(), axis=-1))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
