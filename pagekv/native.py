@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -21,12 +22,30 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-# -std=c++17 (not gnu++17) also means no FP contraction: a*b+c stays two roundings, as in torch.
+# Note: g++ may still contract a * b + c into one FMA under -std=c++17; a kernel whose numbers
+# must match torch's separate roundings adds -ffp-contract=off (the fused layer ops do).
 BASE_CXX_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
+
+
+logger = logging.getLogger("pagekv")
 
 
 class NativeUnavailable(Exception):
     """The library cannot be had here: no compiler, a failed build, or a failed load."""
+
+
+def load_optional(
+    name: str, source: str, flags: tuple[str, ...], disable_env: str, log_level: int
+) -> ctypes.CDLL | None:
+    """``build_and_load``, or None when ``$disable_env`` is "0" or the library cannot be had
+    (logged at ``log_level`` with the reason); callers then fall back to torch ops."""
+    if os.environ.get(disable_env, "1") == "0":
+        return None
+    try:
+        return build_and_load(name, source, flags)
+    except NativeUnavailable as exc:
+        logger.log(log_level, "native %s unavailable (%s); using torch ops", name, exc)
+        return None
 
 
 def build_and_load(name: str, source: str, flags: tuple[str, ...]) -> ctypes.CDLL:

@@ -16,14 +16,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
 
 from pagekv import native
-
-logger = logging.getLogger("pagekv")
 
 DISABLE_ENV = "PAGEKV_FUSED_OPS"
 # omp simd pragmas only (no OpenMP runtime); no FMA contraction: g++ contracts a * b - c into one
@@ -279,10 +276,5 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
 @functools.cache
 def load() -> FusedOps | None:
     """The compiled ops, built once per machine and cached; None if unavailable or disabled."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    try:
-        return FusedOps(native.build_and_load("fused_ops", _SOURCE, CXX_FLAGS))
-    except native.NativeUnavailable as exc:
-        logger.debug("fused layer ops unavailable (%s); using torch ops", exc)
-        return None
+    library = native.load_optional("fused_ops", _SOURCE, CXX_FLAGS, DISABLE_ENV, logging.DEBUG)
+    return None if library is None else FusedOps(library)

@@ -14,14 +14,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from pagekv import native
-
-logger = logging.getLogger("pagekv")
 
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
 CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp")
@@ -252,13 +249,20 @@ static inline void softmax_rows(float* scores, int rows, int len) {
 
 // Prefetches the rows of kv head `kvh` at slots[first, first + count): blocks sit anywhere in
 // the pool, so the hardware prefetcher loses the stream at every block boundary.
+// Row pointers of kv head `kvh` at positions [first, first + 16) (fewer at the end); returns
+// how many. Also prefetches the 16 rows after them: blocks sit anywhere in the pool, so the
+// hardware prefetcher loses the stream at every block boundary.
 template <typename KV, int D>
-static inline void prefetch_rows(const KV* cache, const long* slots, int count, long stride,
-                                 int kvh) {
-    for (int t = 0; t < count; ++t) {
-        const char* p = (const char*)(cache + slots[t] * stride + long(kvh) * D);
+static inline int rows16(const KV* cache, const long* slots, int first, int seq_len, long stride,
+                         int kvh, const KV** rows) {
+    const int count = seq_len - first < 16 ? seq_len - first : 16;
+    const int ahead_end = seq_len < first + 32 ? seq_len : first + 32;
+    for (int pos = first + 16; pos < ahead_end; ++pos) {
+        const char* p = (const char*)(cache + slots[pos] * stride + long(kvh) * D);
         for (long byte = 0; byte < long(sizeof(KV)) * D; byte += 64) __builtin_prefetch(p + byte);
     }
+    for (int t = 0; t < count; ++t) rows[t] = cache + slots[first + t] * stride + long(kvh) * D;
+    return count;
 }
 
 // One sequence, kv heads [h0, h1): scores [heads, S] in `scores`, softmax, then the weighted
@@ -276,32 +280,22 @@ static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t*
         for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
     }
     const KV* rows[16];
-    for (int first = 0; first < seq_len; first += 16) {  // 16 positions at a time
-        const int count = seq_len - first < 16 ? seq_len - first : 16;
-        const int next = seq_len - first - 16 < 16 ? seq_len - first - 16 : 16;
+    for (int first = 0; first < seq_len; first += 16)  // 16 positions at a time
         for (int kvh = h0; kvh < h1; ++kvh) {
-            if (next > 0) prefetch_rows<KV, D>(kc, slots + first + 16, next, stride, kvh);
-            for (int t = 0; t < count; ++t)
-                rows[t] = kc + slots[first + t] * stride + long(kvh) * D;
+            const int count = rows16<KV, D>(kc, slots, first, seq_len, stride, kvh, rows);
             scores16<D>(q + long(kvh) * sh.group * D, rows, count, sh.group, scale,
                         scores + long(kvh - h0) * sh.group * seq_len + first, seq_len);
         }
-    }
     softmax_rows(scores, heads, seq_len);
     float* acc = out + long(h0) * sh.group * D;  // [heads, D]: these heads' output rows
     std::memset(acc, 0, sizeof(float) * heads * D);
-    for (int first = 0; first < seq_len; first += 16) {
-        const int count = seq_len - first < 16 ? seq_len - first : 16;
-        const int next = seq_len - first - 16 < 16 ? seq_len - first - 16 : 16;
+    for (int first = 0; first < seq_len; first += 16)
         for (int kvh = h0; kvh < h1; ++kvh) {
-            if (next > 0) prefetch_rows<KV, D>(vc, slots + first + 16, next, stride, kvh);
-            for (int t = 0; t < count; ++t)
-                rows[t] = vc + slots[first + t] * stride + long(kvh) * D;
+            const int count = rows16<KV, D>(vc, slots, first, seq_len, stride, kvh, rows);
             const int h = (kvh - h0) * sh.group;
             pv_heads<D>(sh.group, scores + long(h) * seq_len + first, seq_len, rows, count,
                         acc + long(h) * D);
         }
-    }
 }
 
 template <typename KV, int D>
@@ -430,10 +424,5 @@ class DecodeKernel:
 @functools.cache
 def load() -> DecodeKernel | None:
     """The compiled kernel, built once per machine and cached; None if unavailable."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return None
-    try:
-        return DecodeKernel(native.build_and_load("decode", _SOURCE, CXX_FLAGS))
-    except native.NativeUnavailable as exc:
-        logger.warning("paged decode kernel unavailable (%s); using torch ops", exc)
-        return None
+    library = native.load_optional("decode", _SOURCE, CXX_FLAGS, DISABLE_ENV, logging.WARNING)
+    return None if library is None else DecodeKernel(library)
