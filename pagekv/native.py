@@ -54,7 +54,7 @@ def build_and_load(name: str, source: str, flags: tuple[str, ...]) -> ctypes.CDL
     ``name`` prefixes the cached file. The compiler is ``$CXX`` or ``g++``. Raises
     NativeUnavailable with the reason (the compiler's last output on a failed build).
     """
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    compiler = find_compiler()
     if compiler is None:
         raise NativeUnavailable("no C++ compiler found")
     key = hashlib.blake2b(digest_size=8)
@@ -68,6 +68,11 @@ def build_and_load(name: str, source: str, flags: tuple[str, ...]) -> ctypes.CDL
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         raise NativeUnavailable(f"{exc} {detail.decode(errors='replace')[-500:]}") from exc
+
+
+def find_compiler() -> str | None:
+    """``$CXX`` or ``g++`` on PATH, or None. Where there is one, a failed build is a bug."""
+    return shutil.which(os.environ.get("CXX", "g++"))
 
 
 def _cache_dir() -> Path:

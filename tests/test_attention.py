@@ -188,10 +188,15 @@ def test_large_decode_batch() -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_write_kv_places_tokens_at_slots() -> None:
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_write_kv_places_tokens_at_slots(contiguous: bool) -> None:
+    """Both write paths (flat rows; block and offset for a cache with no flat view) write in
+    place: the caches' own storage holds the tokens afterwards."""
     num_blocks, block_size = 5, 4
-    k_cache = torch.zeros(num_blocks, block_size, 2, 3)
-    v_cache = torch.zeros(num_blocks, block_size, 2, 3)
+    width = 3 if contiguous else 6
+    k_cache = torch.zeros(num_blocks, block_size, 2, width)[..., :3]
+    v_cache = torch.zeros(num_blocks, block_size, 2, width)[..., :3]
+    assert k_cache.is_contiguous() == contiguous
     slot_mapping = torch.tensor([13, 2, 19, 4])
     k = torch.arange(1, 5, dtype=torch.float32)[:, None, None].expand(4, 2, 3)
     write_kv(k_cache, v_cache, k, -k, slot_mapping)

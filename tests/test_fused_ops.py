@@ -10,19 +10,22 @@ import torch
 from test_models import _tiny_config
 from test_packed_weights import _logits, _random_model
 
+from pagekv import native
 from pagekv.models import fused_ops
 from pagekv.models.layer_ops import TORCH_OPS, LayerOps
 from pagekv.models.rope import apply_rope
 
 FUSED = fused_ops.load()
-needs_fused = pytest.mark.skipif(FUSED is None, reason="no C++ compiler: fused ops are optional")
+needs_fused = pytest.mark.skipif(
+    native.find_compiler() is None, reason="no C++ compiler: fused ops are optional"
+)
 DTYPES = [torch.float32, torch.bfloat16]
-TOKEN_COUNTS = [1, 7, 64]
+TOKEN_COUNTS = [1, 7, 64, 300]  # 300: enough work to split rows over threads
 EPS = 1e-5
 
 
 def _fused() -> LayerOps:
-    assert FUSED is not None
+    assert FUSED is not None, "a compiler is here, so the fused ops must build"
     return FUSED
 
 
@@ -114,6 +117,35 @@ def test_silu_mul(dtype: torch.dtype, num_tokens: int) -> None:
     gate_up = _randn(num_tokens, 2 * 1536, dtype=dtype, scale=4.0)
     gate_up[0, :6] = torch.tensor([-200.0, -90.0, -50.0, 0.0, 50.0, 200.0]).to(dtype)  # exp ends
     assert_matches(_fused().silu_mul(gate_up), TORCH_OPS.silu_mul(gate_up))
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_threads_do_not_change_a_bit(dtype: torch.dtype) -> None:
+    """Prefill-sized calls split rows over threads; every op gives the same bits on one."""
+    x = _randn(300, 576, dtype=dtype, scale=2.0)
+    residual = _randn(300, 576, dtype=dtype, seed=1, scale=5.0)
+    weight = _randn(576, dtype=dtype, seed=2) * 0.3 + 1
+    qkv = _randn(300, 15 * 64, dtype=dtype, seed=3, scale=3.0)
+    angles = _randn(300, 32, dtype=torch.float32, seed=4, scale=100.0)
+    gate_up = _randn(300, 2 * 1536, dtype=dtype, seed=5, scale=4.0)
+
+    def run_all() -> list[torch.Tensor]:
+        ops = _fused()
+        normed, res = ops.add_rms_norm(x, residual.clone(), weight, EPS)
+        q, k, v = ops.split_rope(qkv, angles.cos(), angles.sin(), 9, 3)
+        return [normed, res, ops.rms_norm(x, weight, EPS), q, k, v, ops.silu_mul(gate_up)]
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_all()
+        torch.set_num_threads(2)
+        two = run_all()
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 @needs_fused

@@ -4,8 +4,9 @@ instead of 3-12 torch ops, for float32 and bfloat16 models.
 Owns the kernels' source and their ctypes calls; the build and its cache are ``pagekv.native``'s.
 The numbers follow ``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one
 rounding to the dtype wherever torch rounds); only the sum of squares (another order) and exp
-(another polynomial) differ, by float32 ulps. Single-threaded: the rows are short and the engine
-runs one torch thread.
+(another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_num_threads()``
+OpenMP threads once a call has enough work (a prefill chunk; a decode batch of short rows stays on
+one thread); each row is computed the same way whatever the split, so threads never change a bit.
 
 ``load()`` returns None (callers keep ``TorchOps``) when there is no compiler, the build fails,
 or ``PAGEKV_FUSED_OPS=0``. Imports nothing from runner/ or core/.
@@ -23,9 +24,9 @@ import torch
 from pagekv import native
 
 DISABLE_ENV = "PAGEKV_FUSED_OPS"
-# omp simd pragmas only (no OpenMP runtime); no FMA contraction: g++ contracts a * b - c into one
-# rounding even under -std=c++17, and torch rounds the product first.
-CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp-simd", "-ffp-contract=off")
+# No FMA contraction: g++ contracts a * b - c into one rounding even under -std=c++17, and torch
+# rounds the product first.
+CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp", "-ffp-contract=off")
 
 # Plain loops that GCC vectorizes (the omp simd pragmas allow the reassociated sums; check with
 # -fopt-info-vec); bfloat16 is widened and rounded with integer ops, the same round-to-nearest-
@@ -34,6 +35,10 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+// Split rows over threads only when a call has at least this many elements: below it the
+// fork and join cost more than the work (a decode batch's norm is ~37k elements of 64 rows).
+static const long PARALLEL_MIN_ELEMENTS = 65536;
 
 static inline float load(float x) { return x; }
 static inline float load(uint16_t x) {  // bfloat16 -> float32 is exact: the high 16 bits
@@ -71,7 +76,8 @@ static inline float exp_any(float x) {
 // x (null), residual is only read: the plain norm.
 template <typename T>
 static void add_rms_norm(const T* x, T* residual, const T* w, T* out, long rows, long n,
-                         float eps) {
+                         float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) if(rows * n >= PARALLEL_MIN_ELEMENTS)
     for (long row = 0; row < rows; ++row) {
         T* res = residual + row * n;
         float sum = 0.f;
@@ -108,8 +114,10 @@ static inline void rotate(const T* src, T* dst, const float* c, const float* s, 
 // qkv rows (row_stride apart) -> contiguous q [T, H, D], k and v [T, KVH, D]; q, k rotated.
 template <typename T>
 static void split_rope(const T* qkv, long row_stride, T* q, T* k, T* v, const float* cos,
-                       const float* sin, long tokens, int heads, int kv_heads, int head_dim) {
+                       const float* sin, long tokens, int heads, int kv_heads, int head_dim,
+                       int threads) {
     const int half = head_dim / 2;
+    #pragma omp parallel for num_threads(threads) if(tokens * row_stride >= PARALLEL_MIN_ELEMENTS)
     for (long t = 0; t < tokens; ++t) {
         const T* src = qkv + t * row_stride;
         const float* c = cos + t * half;
@@ -126,7 +134,8 @@ static void split_rope(const T* qkv, long row_stride, T* q, T* k, T* v, const fl
 
 // out [T, I] = dtype(silu(gate)) * up, gate_up [T, 2I]; silu(g) = g / (1 + exp(-g)) in float32.
 template <typename T>
-static void silu_mul(const T* gate_up, T* out, long rows, long inter) {
+static void silu_mul(const T* gate_up, T* out, long rows, long inter, int threads) {
+    #pragma omp parallel for num_threads(threads) if(rows * inter >= PARALLEL_MIN_ELEMENTS)
     for (long row = 0; row < rows; ++row) {
         const T* g = gate_up + row * 2 * inter;
         const T* u = g + inter;
@@ -141,17 +150,19 @@ static void silu_mul(const T* gate_up, T* out, long rows, long inter) {
 
 #define ENTRIES(SUFFIX, T)                                                                    \
     extern "C" void add_rms_norm_##SUFFIX(const void* x, void* residual, const void* w,       \
-                                          void* out, long rows, long n, float eps) {          \
-        add_rms_norm<T>((const T*)x, (T*)residual, (const T*)w, (T*)out, rows, n, eps);       \
+                                          void* out, long rows, long n, float eps, int threads) { \
+        add_rms_norm<T>((const T*)x, (T*)residual, (const T*)w, (T*)out, rows, n, eps, threads); \
     }                                                                                         \
     extern "C" void split_rope_##SUFFIX(const void* qkv, long row_stride, void* q, void* k,   \
                                         void* v, const float* cos, const float* sin,          \
-                                        long tokens, int heads, int kv_heads, int head_dim) { \
+                                        long tokens, int heads, int kv_heads, int head_dim,   \
+                                        int threads) {                                        \
         split_rope<T>((const T*)qkv, row_stride, (T*)q, (T*)k, (T*)v, cos, sin, tokens,       \
-                      heads, kv_heads, head_dim);                                             \
+                      heads, kv_heads, head_dim, threads);                                    \
     }                                                                                         \
-    extern "C" void silu_mul_##SUFFIX(const void* gate_up, void* out, long rows, long inter) { \
-        silu_mul<T>((const T*)gate_up, (T*)out, rows, inter);                                 \
+    extern "C" void silu_mul_##SUFFIX(const void* gate_up, void* out, long rows, long inter,  \
+                                      int threads) {                                          \
+        silu_mul<T>((const T*)gate_up, (T*)out, rows, inter, threads);                        \
     }
 ENTRIES(f32, float)
 ENTRIES(bf16, uint16_t)
@@ -160,9 +171,9 @@ ENTRIES(bf16, uint16_t)
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES: dict[str, list[type]] = {
-    "add_rms_norm": [_P, _P, _P, _P, _L, _L, ctypes.c_float],
-    "split_rope": [_P, _L, _P, _P, _P, _P, _P, _L, _I, _I, _I],
-    "silu_mul": [_P, _P, _L, _L],
+    "add_rms_norm": [_P, _P, _P, _P, _L, _L, ctypes.c_float, _I],
+    "split_rope": [_P, _L, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I],
+    "silu_mul": [_P, _P, _L, _L, _I],
 }
 
 
@@ -190,7 +201,7 @@ class FusedOps:
         _check_rows(x, weight)
         out = torch.empty_like(x)
         fn = self._functions[("add_rms_norm", x.dtype)]
-        fn(None, x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        fn(None, x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape, eps, _threads())
         return out
 
     def add_rms_norm(
@@ -203,7 +214,16 @@ class FusedOps:
         out = torch.empty_like(x)
         fn = self._functions[("add_rms_norm", x.dtype)]
         rows, n = residual.shape
-        fn(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, eps)
+        fn(
+            x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            eps,
+            _threads(),
+        )
         return out, residual
 
     def split_rope(
@@ -243,6 +263,7 @@ class FusedOps:
             num_heads,
             num_kv_heads,
             head_dim,
+            _threads(),
         )
         return q, k, v
 
@@ -257,8 +278,12 @@ class FusedOps:
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inter), dtype=gate_up.dtype)
         fn = self._functions[("silu_mul", gate_up.dtype)]
-        fn(gate_up.data_ptr(), out.data_ptr(), rows, inter)
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, inter, _threads())
         return out
+
+
+def _threads() -> int:
+    return torch.get_num_threads()  # the engine's thread setting, as the decode kernel's
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
