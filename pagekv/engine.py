@@ -8,7 +8,6 @@ tensors; the engine wires them together and is the only thing the server and LLM
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -38,9 +37,9 @@ from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.model_runner import ModelRunner
 from pagekv.sampling_params import SamplingParams
 from pagekv.sanitizer import KVSanitizer
-from pagekv.sim.trace import TraceRecorder, block_hashes_hex
 from pagekv.tier_setup import build_tiers, open_configured_store
 from pagekv.tiering.manager import TierManager
+from pagekv.trace import TraceRecorder, block_hashes_hex
 
 logger = logging.getLogger("pagekv")
 
@@ -107,7 +106,6 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self._groups: dict[str, RequestGroup] = {}
-        self._arrivals: dict[str, float] = {}  # group id -> wall-clock arrival (for the trace)
         # Each finished request's lengths and prefix-block hashes (no text), for ``pagekv sim``.
         self.trace = TraceRecorder(config.trace) if config.trace else None
         self._branch_of: dict[str, tuple[RequestGroup, Branch]] = {}
@@ -167,7 +165,6 @@ class LLMEngine:
             request_id, (text, ids), params, self.tokenizer, (cache_salt, priority)
         )
         self._groups[request_id] = group
-        self._arrivals[request_id] = time.time()
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
         parent, *children = [b.request for b in group.branches]
@@ -282,12 +279,11 @@ class LLMEngine:
 
     def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]
-        arrival = self._arrivals.pop(group.request_id)
         if self.trace is not None:
             for branch in group.branches:  # one line per branch: n branches share the prompt
                 request = branch.request
                 self.trace.record(
-                    arrival,
+                    group.arrival_time,
                     request.num_prompt_tokens,
                     request.num_output_tokens,
                     block_hashes_hex(request.prompt_token_ids, request.cache_salt),

@@ -7,6 +7,7 @@ for ``RequestOutput`` snapshots; queues and blocks stay with the scheduler and K
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 from pagekv.core.request import Request, RequestStatus
@@ -67,6 +68,7 @@ class RequestGroup:
     branches: list[Branch] = field(default_factory=list)
     num_returned: int = 1  # n; fewer than the branches when best_of > n
     hide_logprobs: bool = False  # computed only to rank best_of branches
+    arrival_time: float = field(default_factory=time.time)  # wall clock, for the trace
 
     @classmethod
     def create(

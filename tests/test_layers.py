@@ -94,6 +94,14 @@ RULES = (
         module_level_only=True,
     ),
     Rule(
+        "trace (the engine writes it, the simulator reads it) needs only core's hash chain",
+        "pagekv.trace",
+        forbidden=("torch", "numpy"),
+        only_pagekv=("pagekv.core", "pagekv.errors"),
+        required=True,
+    ),
+    Rule("the engine never imports the simulator", "pagekv.engine", forbidden=("pagekv.sim",)),
+    Rule(
         "native (the C++ build shared by models and runner) imports no torch and no pagekv",
         "pagekv.native",
         forbidden=("torch", "numpy"),

@@ -10,7 +10,8 @@ from test_server_support import start_server
 
 from pagekv.sim.cost_model import CostModel
 from pagekv.sim.simulator import SimConfig, simulate
-from pagekv.sim.trace import read_trace, replay_trace
+from pagekv.sim.trace import replay_trace
+from pagekv.trace import read_trace
 
 pytestmark = pytest.mark.model
 

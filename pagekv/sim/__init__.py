@@ -28,8 +28,9 @@ from pagekv.sim.baselines import Reservation, simulate_contiguous
 from pagekv.sim.cost_model import CostModel, StepShape
 from pagekv.sim.metrics import SimResult
 from pagekv.sim.simulator import SimConfig, simulate
-from pagekv.sim.trace import TraceRecorder, read_trace, replay_trace
+from pagekv.sim.trace import replay_trace
 from pagekv.sim.workload import LengthDist, SimRequest, WorkloadSpec, build_workload, preset
+from pagekv.trace import TraceRecorder, read_trace
 
 __all__ = [
     "CostModel",
