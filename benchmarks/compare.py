@@ -52,9 +52,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagekv
 
-from pagekv.bench.offline import OfflineSettings, build_engine, run_offline, warm_up
+from pagekv.bench import BENCH_KV_CACHE_MEMORY
+from pagekv.bench.offline import run_offline, warm_up
 from pagekv.bench.report import peak_rss_bytes
 from pagekv.bench.workloads import BenchRequest, Workload, load_workload
+from pagekv.config import EngineConfig
+from pagekv.engine import LLMEngine
 from pagekv.models.loader import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,12 +71,14 @@ Runner = Callable[[], float]  # one timed pass over the workload -> elapsed seco
 
 
 def pagekv_runner(workload: Workload, dtype: str, num_threads: int) -> Runner:
-    settings = OfflineSettings(dtype=dtype, num_threads=num_threads)
-    engine = build_engine(settings)
+    config = EngineConfig(
+        dtype=dtype, num_threads=num_threads, kv_cache_memory=BENCH_KV_CACHE_MEMORY
+    )
+    engine = LLMEngine(config)
     warm_up(engine)
 
     def run() -> float:
-        return run_offline(engine, workload, settings).elapsed_s
+        return run_offline(engine, workload).elapsed_s
 
     return run
 

@@ -13,58 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from pagekv.bench import register as register_bench
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine_args import add_engine_arguments, engine_config
 from pagekv.errors import PagekvError
 from pagekv.sampling_params import SamplingParams
 from pagekv.sim.cli import register as register_sim
-
-
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
-    )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default="1GiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse cached KV blocks of shared prompt prefixes (default: on)",
-    )
-    g.add_argument(
-        "--preemption-mode",
-        default="recompute",
-        help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
-    )
-    g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
-    t = parser.add_argument_group("KV tiers")
-    t.add_argument(
-        "--host-cache-memory",
-        default="0",
-        help="host memory for a host prefix cache (shared with swap space), e.g. 4GiB",
-    )
-    t.add_argument(
-        "--kv-store",
-        default=None,
-        help="storage tier: file:DIR | mooncake://HOST:PORT | redis://HOST:PORT",
-    )
-    t.add_argument(
-        "--cache-write-policy",
-        default="write_through",
-        help="write_through | write_through_selective | write_back (EngineConfig checks it)",
-    )
-    t.add_argument(
-        "--kv-store-required",
-        action="store_true",
-        help="fail at start-up if the store is unreachable (default: warn, run without it)",
-    )
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -79,25 +32,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _build_engine(args: argparse.Namespace) -> LLMEngine:
-    config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        host_cache_memory=args.host_cache_memory,
-        kv_store=args.kv_store,
-        cache_write_policy=args.cache_write_policy,
-        kv_store_required=args.kv_store_required,
-        trace=getattr(args, "trace", None),  # serve only
-    )
-    engine = LLMEngine(config)
+    engine = LLMEngine(engine_config(args))
     print(engine.capacity_line, file=sys.stderr)
     return engine
 
@@ -172,7 +107,7 @@ def _serve(args: argparse.Namespace) -> None:
     )
     if args.model_path is not None:
         args.model = args.model_path
-    serve(_build_engine(args), config)
+    serve(_build_engine(args), config)  # the engine config's trace is serve's --trace
 
 
 def _serve_args(parser: argparse.ArgumentParser) -> None:
@@ -229,11 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     chat.add_argument("--system", default=None)
     chat.set_defaults(func=_chat)
     for p in (gen, chat):
-        _engine_args(p)
+        add_engine_arguments(p)
         _sampling_args(p)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _serve_args(serve)
-    _engine_args(serve)
+    add_engine_arguments(serve)
     serve.set_defaults(func=_serve)
     kv_map = sub.add_parser("kv-map", help="save a running server's KV block map as a PNG")
     kv_map.add_argument("--url", default="http://127.0.0.1:8000")

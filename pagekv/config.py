@@ -63,6 +63,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context length
+    # torch's intra-op threads (process-wide), which the C kernels follow; None: torch's default
+    num_threads: int | None = None
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto" (per victim, by cost)
     preemption_cost: PreemptionCostModel | None = None  # None: defaults measured on CPU
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value first)
@@ -81,6 +83,11 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"block_size must be >= 1, got {self.block_size!r}", "block_size"
             )
+        threads = self.num_threads
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        ):
+            raise InvalidRequestError(f"num_threads must be >= 1, got {threads!r}", "num_threads")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be >= 1", "num_kv_blocks")
         parse_bytes(self.kv_cache_memory, "kv_cache_memory")

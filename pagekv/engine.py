@@ -84,7 +84,9 @@ class LLMEngine:
             write_policy=config.cache_write_policy if lower_tiers else None,
             write_storage=store is not None,
         )
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, num_host)
+        self.runner = ModelRunner(
+            self.loaded, num_blocks, config.block_size, num_host, num_threads=config.num_threads
+        )
         self.tiers: TierManager | None = None
         load_cost = LoadCostModel()
         if self.kv.host_caching:

@@ -19,6 +19,8 @@ from pagekv.bench.workloads import (
     prefix_workload,
     random_workload,
 )
+from pagekv.config import EngineConfig
+from pagekv.engine import LLMEngine
 from pagekv.models.loader import LoadedModel
 
 
@@ -91,7 +93,7 @@ def test_report_table_and_json(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_offline_pass_on_the_real_model(loaded: LoadedModel, tmp_path: Path) -> None:
-    from pagekv.bench.offline import OfflineSettings, build_engine, run_offline, warm_up
+    from pagekv.bench.offline import run_offline, warm_up
 
     items = [
         {"prompt_token_ids": list(range(200 + i, 240 + 3 * i)), "output_len": 3 + i}
@@ -100,10 +102,9 @@ def test_offline_pass_on_the_real_model(loaded: LoadedModel, tmp_path: Path) -> 
     path = tmp_path / "small.json"
     path.write_text(json.dumps(items))
     workload = load_workload(str(path))
-    settings = OfflineSettings(kv_cache_memory="64MiB")
-    engine = build_engine(settings, loaded)
+    engine = LLMEngine(EngineConfig(kv_cache_memory="64MiB"), loaded)
     warm_up(engine)
-    result = run_offline(engine, workload, settings)
+    result = run_offline(engine, workload)
     assert result.num_requests == 4 and result.num_output_tokens == 3 + 4 + 5 + 6
     assert len(result.ttft_s) == 4 and len(result.tpot_s) == 4
     assert result.elapsed_s > 0 and result.peak_rss_bytes > 0

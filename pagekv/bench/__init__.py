@@ -16,8 +16,12 @@ from typing import Any
 
 from pagekv.bench.report import format_table, write_json
 from pagekv.bench.workloads import load_workload
+from pagekv.engine_args import add_engine_arguments, engine_config
 
-__all__ = ["register"]
+__all__ = ["BENCH_KV_CACHE_MEMORY", "register"]
+
+# The KV pool every offline comparison gives each engine (vLLM's VLLM_CPU_KVCACHE_SPACE=2).
+BENCH_KV_CACHE_MEMORY = "2GiB"
 
 
 def register(subparsers: Any) -> None:
@@ -34,16 +38,8 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--workload", default="random", help="random | prefix | FILE.json")
     parser.add_argument("--json-out", default=None, help="write the result as JSON here")
-    engine = parser.add_argument_group("offline engine")
-    engine.add_argument("--model", default=None, help="GGUF file or HF directory")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--kv-cache-memory", default="2GiB")
-    engine.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    add_engine_arguments(
+        parser, title="offline engine", kv_cache_memory=BENCH_KV_CACHE_MEMORY, tiers=False
     )
     serve = parser.add_argument_group("serve")
     serve.add_argument("--url", default="http://127.0.0.1:8000")
@@ -67,21 +63,12 @@ def run_command(args: argparse.Namespace) -> None:
         )
         result = run_serve(workload, serve_settings)
     else:
-        from pagekv.bench.offline import OfflineSettings, build_engine, run_offline, warm_up
+        from pagekv.bench.offline import run_offline, warm_up
+        from pagekv.engine import LLMEngine
 
-        settings = OfflineSettings(
-            model=args.model,
-            dtype=args.dtype,
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            num_threads=args.num_threads,
-            enable_prefix_caching=args.enable_prefix_caching,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        )
-        engine = build_engine(settings)
+        engine = LLMEngine(engine_config(args))
         warm_up(engine)
-        result = run_offline(engine, workload, settings)
+        result = run_offline(engine, workload)
     print(format_table(result))
     if args.json_out:
         write_json(result, args.json_out)

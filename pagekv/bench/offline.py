@@ -1,6 +1,7 @@
 """Offline throughput: every request of a workload added at once, the engine stepped to the end.
 
-Owns one timed pass over an ``LLMEngine`` (built here from a frozen ``OfflineSettings``). All
+Owns one timed pass over an ``LLMEngine`` (built by the caller, e.g. from ``pagekv bench``'s
+engine options, with ``bench.BENCH_KV_CACHE_MEMORY`` of KV unless told otherwise). All
 requests are queued at t = 0, so a request's TTFT includes its wait for a batch slot, as in
 vLLM's ``benchmark_throughput``. A short warm-up request runs first, outside the timing, so
 one-off costs (first matmul of each shape, allocator growth) are not charged to the run.
@@ -9,7 +10,8 @@ one-off costs (first matmul of each shape, allocator growth) are not charged to 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import fields
+from typing import Any
 
 import torch
 
@@ -17,36 +19,7 @@ from pagekv.bench.report import BenchResult, peak_rss_bytes
 from pagekv.bench.workloads import Workload
 from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
-from pagekv.models.loader import LoadedModel
 from pagekv.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class OfflineSettings:
-    model: str | None = None
-    dtype: str = "float32"
-    block_size: int = 16
-    kv_cache_memory: str = "2GiB"
-    num_threads: int | None = None  # None: torch's default
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-
-
-def build_engine(settings: OfflineSettings, loaded: LoadedModel | None = None) -> LLMEngine:
-    """The engine the settings describe; ``loaded`` reuses a model already in memory."""
-    if settings.num_threads is not None:
-        torch.set_num_threads(settings.num_threads)
-    config = EngineConfig(
-        model=settings.model,
-        dtype=settings.dtype,
-        block_size=settings.block_size,
-        kv_cache_memory=settings.kv_cache_memory,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-    )
-    return LLMEngine(config, loaded)
 
 
 def greedy_params(output_len: int) -> SamplingParams:
@@ -60,7 +33,7 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def run_offline(engine: LLMEngine, workload: Workload, settings: OfflineSettings) -> BenchResult:
+def run_offline(engine: LLMEngine, workload: Workload) -> BenchResult:
     """Queue every request, step until all finish; per-request first/last token times."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -89,7 +62,13 @@ def run_offline(engine: LLMEngine, workload: Workload, settings: OfflineSettings
         elapsed_s=elapsed,
         ttft_s=[t - start for t in first.values()],
         tpot_s=[(last[r] - first[r]) / (lens[r] - 1) for r in last if lens[r] > 1],
-        settings={**asdict(settings), "torch_threads": torch.get_num_threads()},
+        settings={**_plain_fields(engine.config), "torch_threads": torch.get_num_threads()},
         peak_rss_bytes=peak_rss_bytes(),
         num_cached_prompt_tokens=cached,
     )
+
+
+def _plain_fields(config: EngineConfig) -> dict[str, Any]:
+    """The config's JSON-ready fields (a KVStore object or a cost model is left out)."""
+    values = {f.name: getattr(config, f.name) for f in fields(config)}
+    return {k: v for k, v in values.items() if v is None or isinstance(v, str | int | float)}

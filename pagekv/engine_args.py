@@ -1,0 +1,88 @@
+"""Command-line options for an ``EngineConfig``: one definition for every command that builds an
+engine (``pagekv generate/chat/serve`` and ``pagekv bench``).
+
+Owns only the mapping between flags and config fields. Each option's ``dest`` is the field's
+name, so ``engine_config`` reads back every field the parser defined and nothing else; the
+checks stay in ``EngineConfig.__post_init__`` (a bad value is an ``InvalidRequestError`` there,
+whichever front end it came from).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any
+
+from pagekv.config import EngineConfig
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    title: str = "engine",
+    kv_cache_memory: str = "1GiB",
+    tiers: bool = True,
+) -> None:
+    """The engine's options as one argument group (and the KV tier options when ``tiers``)."""
+    g = parser.add_argument_group(title)
+    g.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
+    )
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", default=kv_cache_memory)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="threads for torch and the C kernels (default: torch's, one per core)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached KV blocks of shared prompt prefixes (default: on)",
+    )
+    g.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
+    )
+    g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
+    if not tiers:
+        return
+    t = parser.add_argument_group("KV tiers")
+    t.add_argument(
+        "--host-cache-memory",
+        default="0",
+        help="host memory for a host prefix cache (shared with swap space), e.g. 4GiB",
+    )
+    t.add_argument(
+        "--kv-store",
+        default=None,
+        help="storage tier: file:DIR | mooncake://HOST:PORT | redis://HOST:PORT",
+    )
+    t.add_argument(
+        "--cache-write-policy",
+        default="write_through",
+        help="write_through | write_through_selective | write_back (EngineConfig checks it)",
+    )
+    t.add_argument(
+        "--kv-store-required",
+        action="store_true",
+        help="fail at start-up if the store is unreachable (default: warn, run without it)",
+    )
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The config of every ``EngineConfig`` field the parsed arguments hold, then ``overrides``.
+
+    Fields no option defines (e.g. ``trace`` outside ``serve``) keep their defaults.
+    """
+    given = vars(args)
+    values = {f.name: given[f.name] for f in fields(EngineConfig) if f.name in given}
+    return EngineConfig(**{**values, **overrides})
