@@ -52,7 +52,7 @@ def workload(num_requests: int) -> list[list[int]]:
 
 
 def ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
-    engine.kv.reset_prefix_cache()  # device and host forget: only storage may help
+    engine.reset_prefix_cache()  # device and host forget: only storage may help
     start = time.perf_counter()
     engine.add_request(rid, prompt, ONE_TOKEN)
     while not engine.step():

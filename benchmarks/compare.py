@@ -10,23 +10,26 @@ hits all of them; each figure is a ratio of medians, with every round's raw numb
 
 How each engine is run (model loading is outside the timing for all of them):
 - pagekv: offline engine (pagekv.bench.offline), all requests queued at once, continuous
-  batching, prefix caching on, one warm-up request first.
+  batching, prefix caching on, one warm-up request first; every pass starts with an empty
+  prefix cache (the engine is reused across rounds, its cached blocks are not).
 - hf: static batches of ``--hf-batch`` requests in workload order (model: the GGUF, whose
   Q4_1 weights transformers keeps packed, or the dense HF directory ``--hf-model``), left-padded,
   greedy, with
   ``min_new_tokens = max_new_tokens = the longest output of the batch`` so no row stops early
   on EOS. Each request is credited only its own output length (the workload's 8,885 tokens for
   ``random``); tokens generated past it are the waste static batching pays. One warm-up batch.
-- vllm: ``benchmarks/vllm_offline.py`` in ``benchmarks/.venv-vllm`` (a subprocess per round;
-  it reports its own generate() time, excluding its start-up and a one-token warm-up). Run
+- vllm: ``benchmarks/vllm_offline.py --passes-on-stdin`` in ``benchmarks/.venv-vllm``: one
+  process for all rounds, one pass per round from an empty prefix cache (it reports its own
+  generate() time, excluding its start-up and a one-token warm-up), the process tree stopped
+  with SIGSTOP while the other engines run. Run
   with vLLM's documented CPU settings: ``VLLM_CPU_KVCACHE_SPACE`` (GiB; default 2, the same
   2 GiB of KV that pagekv's offline settings give it), ``VLLM_CPU_OMP_THREADS_BIND`` (default:
   every CPU this process may run on, as pagekv's threads; ``auto`` instead keeps one CPU per
   worker for vLLM's scheduler process, which on this 2-CPU machine halves its compute: 293 vs
   560 output tok/s on ``random`` bf16, measured side by side), ``VLLM_CPU_NUM_OF_RESERVED_CPU``
   (default 0, to go with that binding), and ``LD_PRELOAD`` of tcmalloc and the venv's Intel
-  OpenMP when present. Any of them set in the caller's environment wins. Each round also records
-  spawn -> first token and the peak memory of vLLM's whole process tree (benchmarks/peak_rss.py).
+  OpenMP when present. Any of them set in the caller's environment wins. Also recorded: spawn
+  -> first token and the peak memory of vLLM's whole process tree (benchmarks/peak_rss.py).
 
 ``--hf-limit N`` runs HF on the first N requests only (static batching of the full ``random``
 workload takes 10+ minutes per pass here) and adds a ``pagekv@N`` engine run on the same N
@@ -39,15 +42,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pagekv
@@ -165,17 +171,17 @@ def hf_runner(
     return run
 
 
-def vllm_runner(
-    workload_name: str, dtype: str, num_threads: int, extras: list[dict[str, Any]]
-) -> Runner | None:
-    """One vLLM process per round; its start-up, env and tree memory are appended to extras."""
-    if not VLLM_PYTHON.exists() or not VLLM_MODEL_DIR.exists():
-        print("vllm: benchmarks/.venv-vllm not set up (run benchmarks/setup_vllm_cpu.sh)")
-        return None
+class VllmProcess:
+    """One vLLM process for all rounds (``vllm_offline.py --passes-on-stdin``): started at the
+    first round, one pass per round, each from an empty prefix cache, and stopped (SIGSTOP, the
+    whole process tree) between its passes so its idle engine loop takes no CPU from the other
+    engines' rounds. ``close`` ends it and appends its start-up, env, passes and tree memory to
+    ``extras``."""
 
-    def run() -> float:
-        env = vllm_env(num_threads)
-        command = [
+    def __init__(
+        self, workload_name: str, dtype: str, num_threads: int, extras: list[dict[str, Any]]
+    ) -> None:
+        self.command = [
             str(VLLM_PYTHON),
             str(REPO / "benchmarks" / "vllm_offline.py"),
             "--model",
@@ -184,48 +190,93 @@ def vllm_runner(
             workload_name,
             "--dtype",
             dtype,
+            "--passes-on-stdin",
         ]
+        self.env = vllm_env(num_threads)
+        self.extras = extras
+        self.proc: subprocess.Popen[str] | None = None
+        # a file, not a pipe: a pipe nobody reads could fill up and block vLLM
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed with the process)
+        self.passes: list[dict[str, Any]] = []
+
+    def __call__(self) -> float:
+        if self.proc is None:
+            self._start()
+        assert self.proc is not None and self.proc.stdin is not None
+        self._signal(signal.SIGCONT)
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        result = self._read_result()
+        self._signal(signal.SIGSTOP)
+        self.passes.append(result)
+        return float(result["elapsed_s"])
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        root = psutil.Process(self.proc.pid)
+        for proc in [root, *root.children(recursive=True)]:
+            proc.send_signal(sig)
+
+    def _start(self) -> None:
         spawn_unix = time.time()
-        proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        self.proc = subprocess.Popen(
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=self.env,
         )
-        sampler = TreeSampler(proc.pid, interval=0.2).start()
-        stdout, stderr = proc.communicate()
-        memory = sampler.stop()
-        if proc.returncode != 0:
-            print(stderr[-4000:])
-            raise RuntimeError(f"vllm_offline.py failed ({proc.returncode})")
-        # vLLM's worker processes share stdout and may log after the result line
-        line = next(x for x in reversed(stdout.splitlines()) if x.startswith('{"engine"'))
-        result = json.loads(line)
-        result.update(memory)
-        result["spawn_to_first_token_s"] = result["first_token_unix"] - spawn_unix
-        keys = (
-            "binding",
-            "core ids=",
-            "reserved_cpus",
-            "VLLM_CPU_OMP",
-            "KV cache",
-            "torch.compile",
-        )
-        result["binding_log"] = [
-            line for line in stderr.splitlines() if any(k in line for k in keys)
-        ]
-        if not extras:
-            print("  vllm env:", json.dumps(result["env"]))
-            for line in result["binding_log"]:
-                print("  vllm log:", line.strip()[-160:])
-        extras.append(result)
+        self.sampler = TreeSampler(self.proc.pid, interval=0.2).start()
+        self.ready = self._read_result()
+        self.ready["spawn_to_first_token_s"] = self.ready["first_token_unix"] - spawn_unix
+        self._signal(signal.SIGSTOP)
+        print("  vllm env:", json.dumps(self.ready["env"]))
         print(
-            f"  vllm spawn -> first token {result['spawn_to_first_token_s']:.1f} s "
-            f"(import + LLM() {result['startup_s']:.1f} s); peak tree RSS "
-            f"{memory['peak_rss_sum_bytes'] / 2**30:.2f} GiB, PSS "
+            f"  vllm spawn -> first token {self.ready['spawn_to_first_token_s']:.1f} s "
+            f"(import + LLM() {self.ready['startup_s']:.1f} s)"
+        )
+
+    def _read_result(self) -> dict[str, Any]:
+        """The next JSON line vLLM prints (its workers share stdout and log there too)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith('{"engine"'):
+                return dict(json.loads(line))
+        self.stderr.seek(0)
+        print(self.stderr.read()[-4000:])
+        raise RuntimeError(f"vllm_offline.py ended early ({self.proc.wait()})")
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        assert self.proc.stdin is not None
+        self._signal(signal.SIGCONT)
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+        memory = self.sampler.stop()
+        self.stderr.seek(0)
+        keys = ("binding", "core ids=", "reserved_cpus", "VLLM_CPU_OMP", "KV cache")
+        binding_log = [x for x in self.stderr.read().splitlines() if any(k in x for k in keys)]
+        for line in binding_log:
+            print("  vllm log:", line.strip()[-160:])
+        print(
+            f"  vllm peak tree RSS {memory['peak_rss_sum_bytes'] / 2**30:.2f} GiB, PSS "
             f"{memory['peak_pss_sum_bytes'] / 2**30:.2f} GiB, largest process "
             f"{memory['peak_rss_single_bytes'] / 2**30:.2f} GiB"
         )
-        return float(result["elapsed_s"])
+        self.extras.append(
+            {**self.ready, **memory, "passes": self.passes, "binding_log": binding_log}
+        )
 
-    return run
+
+def vllm_runner(
+    workload_name: str, dtype: str, num_threads: int, extras: list[dict[str, Any]]
+) -> VllmProcess | None:
+    if not VLLM_PYTHON.exists() or not VLLM_MODEL_DIR.exists():
+        print("vllm: benchmarks/.venv-vllm not set up (run benchmarks/setup_vllm_cpu.sh)")
+        return None
+    return VllmProcess(workload_name, dtype, num_threads, extras)
 
 
 def main() -> None:
@@ -299,6 +350,8 @@ def main() -> None:
                 f"(load {loads[-1]:.2f})",
                 flush=True,
             )
+    if isinstance(vllm_process := runners.get("vllm"), VllmProcess):
+        vllm_process.close()
     summary = {
         name: workloads[name].num_output_tokens / statistics.median(times)
         for name, times in elapsed.items()

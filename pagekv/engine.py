@@ -233,6 +233,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or len(self.beams) > 0
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (device and host pools; the storage tier
+        keeps its copies). Returns how many; blocks in use stay. A benchmark calls this so a
+        repeated pass does not hit the previous pass's prompts."""
+        return self.kv.reset_prefix_cache()
+
     # ---- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -22,6 +22,7 @@ from pagekv.bench.workloads import (
 from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
 from pagekv.models.loader import LoadedModel
+from pagekv.outputs import RequestOutput
 
 
 def test_random_workload_is_the_specified_one() -> None:
@@ -93,7 +94,7 @@ def test_report_table_and_json(tmp_path: Path) -> None:
 
 @pytest.mark.model
 def test_offline_pass_on_the_real_model(loaded: LoadedModel, tmp_path: Path) -> None:
-    from pagekv.bench.offline import run_offline, warm_up
+    from pagekv.bench.offline import greedy_params, run_offline, warm_up
 
     items = [
         {"prompt_token_ids": list(range(200 + i, 240 + 3 * i)), "output_len": 3 + i}
@@ -109,3 +110,16 @@ def test_offline_pass_on_the_real_model(loaded: LoadedModel, tmp_path: Path) -> 
     assert len(result.ttft_s) == 4 and len(result.tpot_s) == 4
     assert result.elapsed_s > 0 and result.peak_rss_bytes > 0
     assert not engine.has_unfinished_requests()
+    # The pass left its prompts cached (a request now would hit them) ...
+    engine.add_request("probe", items[0]["prompt_token_ids"], greedy_params(1))
+    (probe,) = [out for out in _drain(engine) if out.finished]
+    assert probe.num_cached_tokens >= 32
+    # ... yet a second pass starts cold, as the first did.
+    assert run_offline(engine, workload).num_cached_prompt_tokens == 0
+
+
+def _drain(engine: LLMEngine) -> list[RequestOutput]:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs

@@ -34,7 +34,14 @@ def warm_up(engine: LLMEngine) -> None:
 
 
 def run_offline(engine: LLMEngine, workload: Workload) -> BenchResult:
-    """Queue every request, step until all finish; per-request first/last token times."""
+    """Queue every request, step until all finish; per-request first/last token times.
+
+    The pass starts with an empty prefix cache: a previous pass over the same workload must not
+    turn this one's prompts into cache hits (vLLM's runs start cold too).
+    """
+    if engine.has_unfinished_requests():
+        raise RuntimeError("run_offline needs an idle engine")
+    engine.reset_prefix_cache()
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     cached = 0
