@@ -148,6 +148,60 @@ def test_threads_do_not_change_a_bit(dtype: torch.dtype) -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text(errors="replace")
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between two bf16 tensors in units in the last place (a sign flip
+    counts as a huge distance)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+@needs_fused
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(960, 576), (579, 576), (576, 1536)], ids=str)
+def test_skinny_linear_is_within_a_bf16_ulp(rows: int, shape: tuple[int, int]) -> None:
+    """Decode-sized bf16 matmuls: the C kernel's float32 sums in another order than oneDNN's,
+    each rounded once, so at most one bf16 ulp from torch's (N = 579: a ragged last group)."""
+    n, k = shape
+    x = _randn(rows, k, dtype=torch.bfloat16)
+    weight = _randn(n, k, dtype=torch.bfloat16, seed=1) * 0.05
+    got = _fused().linear(x, weight, None, None)
+    expected = torch.nn.functional.linear(x, weight)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    assert _bf16_ulps(got, expected) <= 1
+    exact = (x.double() @ weight.double().T).to(torch.bfloat16)  # the correctly rounded answer
+    assert _bf16_ulps(got, exact) <= 1
+
+
+@needs_fused
+@pytest.mark.skipif(not HAS_AVX512_BF16, reason="the skinny matmul needs AVX512-BF16")
+def test_skinny_linear_takes_only_its_shapes() -> None:
+    """The C side handles 1-4 rows with K a multiple of 32 and declines the rest (the Python
+    side then runs ``layer_ops.linear``: bit-identical to torch)."""
+    ops = _fused()
+    weight = _randn(64, 576, dtype=torch.bfloat16, seed=1)
+
+    def handled(rows: int, k: int = 576) -> bool:
+        x = _randn(rows, k, dtype=torch.bfloat16)
+        w = weight[:, :k].contiguous()
+        out = torch.empty(rows, 64, dtype=torch.bfloat16)
+        return ops._skinny(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, k, 64, 2) == 0
+
+    assert [handled(rows) for rows in (1, 4, 5, 64)] == [True, True, False, False]
+    assert not handled(2, k=48)
+    for x, bias in (
+        (_randn(5, 576, dtype=torch.bfloat16), None),
+        (_randn(2, 576, dtype=torch.bfloat16), weight[:, 0].contiguous()),
+    ):
+        expected = torch.nn.functional.linear(x, weight, bias)
+        torch.testing.assert_close(ops.linear(x, weight, None, bias), expected, atol=0, rtol=0)
+    x32 = _randn(2, 576, dtype=torch.float32)
+    w32 = weight.float()
+    torch.testing.assert_close(ops.linear(x32, w32, None, None), x32 @ w32.T, atol=0, rtol=0)
+
+
 @needs_fused
 def test_wrong_inputs_are_refused_not_read() -> None:
     ops = _fused()

@@ -8,7 +8,8 @@ from models_fixtures import sdpa_attention
 from test_models import _tiny_config
 
 from pagekv.models import LlamaForCausalLM
-from pagekv.models.llama import PACKED_MAX_ROWS, LlamaDecoderLayer
+from pagekv.models.layer_ops import PACKED_MAX_ROWS
+from pagekv.models.llama import LlamaDecoderLayer
 
 needs_packing = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(),  # type: ignore[no-untyped-call]

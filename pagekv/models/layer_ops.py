@@ -1,12 +1,13 @@
-"""The elementwise ops of a Llama layer, as one swappable object: RMSNorm (with the residual add
-fused in), RoPE on the fused qkv output, SiLU-and-multiply.
+"""The ops of a Llama layer besides attention, as one swappable object: the matmuls, RMSNorm
+(with the residual add fused in), RoPE on the fused qkv output, SiLU-and-multiply.
 
 Owns their contract (``LayerOps``) and the reference implementation in torch ops (``TorchOps``),
 which defines the numbers: the C versions in ``fused_ops.py`` agree with it exactly where the
 math is the same (residual add, RoPE) and within a bfloat16 ulp elsewhere (a float32 sum in
-another order, another exp). Why swappable: at decode sizes each torch op costs mostly its
-dispatch, and a layer spends ~40 of them here; the runner's fast path swaps in the C ops, the
-model itself never chooses. Imports nothing from runner/ or core/.
+another order, another exp; the skinny bf16 matmul). Why swappable: at decode sizes each torch
+op costs mostly its dispatch, and a layer spends ~40 of them here, and oneDNN streams a decode
+step's weights at half the memory's speed; the runner's fast path swaps in the C ops, the model
+itself never chooses. Imports nothing from runner/ or core/.
 """
 
 from __future__ import annotations
@@ -26,9 +27,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+PACKED_MAX_ROWS = 256  # above: prefill-sized, where the packed LM head measured slower
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through ``packed`` (oneDNN's prepacked copy of ``weight``,
+    the same numbers) for decode-sized x."""
+    if packed is None or x.shape[0] > PACKED_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
+
+
 class LayerOps(Protocol):
-    """What a decoder layer needs besides matmuls and attention. Tensors in the model dtype
-    unless said otherwise; T is the number of tokens."""
+    """What a decoder layer needs besides attention. Tensors in the model dtype unless said
+    otherwise; T is the number of tokens."""
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]; ``packed`` is weight's oneDNN
+        prepacked copy or None."""
+        ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, hidden] -> a new [T, hidden]: ``rms_norm`` above."""
@@ -62,6 +88,15 @@ class LayerOps(Protocol):
 
 class TorchOps:
     """The reference: plain torch ops, any dtype."""
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return linear(x, weight, packed, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

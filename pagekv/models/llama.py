@@ -65,7 +65,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _PACKED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count stays exact
-PACKED_MAX_ROWS = 256  # above: prefill-sized, where the packed LM head measured slower
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -77,16 +76,6 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     except (RuntimeError, AttributeError):  # op missing from this build, or the CPU lacks bf16
         return None
     return packed
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through ``packed`` (same numbers) for decode-sized x."""
-    if packed is None or x.shape[0] > PACKED_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return out
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -150,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
         return self._linear(self.ops.silu_mul(gate_up), "down_proj")
 
     def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(x, getattr(self, name), self.packed.get(name), bias)
+        return self.ops.linear(x, getattr(self, name), self.packed.get(name), bias)
 
     def pack_weights(self) -> None:
         self.packed = {name: _pack(getattr(self, name).data) for name in _PACKED_PARAMS}
@@ -202,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return linear(hidden, self._head(), self.packed_head, None).float()
+        return self.ops.linear(hidden, self._head(), self.packed_head, None).float()
 
     def _head(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
