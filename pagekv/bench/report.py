@@ -82,7 +82,7 @@ def format_table(result: BenchResult) -> str:
         rows.append((f"{name} p50/p90/p99", f"{shown} ms"))
     if result.peak_rss_bytes:
         rows.append(("peak RSS", f"{result.peak_rss_bytes / 2**30:.2f} GiB"))
-    rows += [(key, str(value)) for key, value in result.settings.items()]
+    rows += [(key, str(value)) for key, value in result.settings.items() if value is not None]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
