@@ -1,5 +1,6 @@
 """``LayerOps`` in C++: each of RMSNorm(+residual), RoPE+split and SiLU*up is one call per layer
-instead of 3-12 torch ops, for float32 and bfloat16 models.
+instead of 3-12 torch ops, for float32 and bfloat16 models; and, in bfloat16, the matmuls of
+decode steps of 1-4 rows, which stream the weights faster than oneDNN does.
 
 Owns the kernels' source and their ctypes calls; the build and its cache are ``pagekv.native``'s.
 The numbers follow ``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one
@@ -7,6 +8,9 @@ rounding to the dtype wherever torch rounds); only the sum of squares (another o
 (another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_num_threads()``
 OpenMP threads once a call has enough work (a prefill chunk; a decode batch of short rows stays on
 one thread); each row is computed the same way whatever the split, so threads never change a bit.
+The bf16 matmul of 1-4 rows (``linear``) sums in another order than oneDNN, so in bfloat16 a
+sequence's numbers depend, within a bf16 ulp per matmul, on whether its decode batch had more
+than 4 rows (float32 is untouched: batch-invariant as before).
 
 ``load()`` returns None (callers keep ``TorchOps``) when there is no compiler, the build fails,
 or ``PAGEKV_FUSED_OPS=0``. Imports nothing from runner/ or core/.
