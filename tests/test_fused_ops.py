@@ -189,6 +189,7 @@ def test_skinny_linear_takes_only_its_shapes() -> None:
         out = torch.empty(rows, 64, dtype=torch.bfloat16)
         return ops._skinny(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, k, 64, 2) == 0
 
+    assert ops._skinny_max_rows == 4  # what the Python side checks before allocating
     assert [handled(rows) for rows in (1, 4, 5, 64)] == [True, True, False, False]
     assert not handled(2, k=48)
     for x, bias in (

@@ -216,10 +216,12 @@ extern "C" int skinny_linear_bf16(const void* x, const void* w, void* out, long 
     }
     return 0;
 }
+extern "C" int skinny_linear_max_rows() { return SKINNY_MAX_ROWS; }
 #else
 extern "C" int skinny_linear_bf16(const void*, const void*, void*, long, long, long, int) {
     return -1;  // no AVX512-BF16 here: the caller keeps torch's matmul
 }
+extern "C" int skinny_linear_max_rows() { return 0; }
 #endif
 
 #define ENTRIES(SUFFIX, T)                                                                    \
@@ -269,6 +271,8 @@ class FusedOps:
         self._skinny = library.skinny_linear_bf16
         self._skinny.restype = ctypes.c_int
         self._skinny.argtypes = [_P, _P, _P, _L, _L, _L, _I]
+        library.skinny_linear_max_rows.restype = ctypes.c_int
+        self._skinny_max_rows = int(library.skinny_linear_max_rows())  # 0: not on this CPU
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -351,13 +355,15 @@ class FusedOps:
         packed: torch.Tensor | None,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """bf16 without bias at up to ``SKINNY_MAX_ROWS`` rows: the skinny C matmul (within a
-        bf16 ulp of torch's; 1.2-1.7x faster at 1-4 rows, streaming a step's weights at ~15
-        GB/s where oneDNN reaches ~9); otherwise ``layer_ops.linear``. The C side declines
-        other shapes, and every call on CPUs without AVX512-BF16."""
+        """bf16 without bias at up to 4 rows (the C side's ``SKINNY_MAX_ROWS``; none on CPUs
+        without AVX512-BF16): the skinny C matmul (within a bf16 ulp of torch's; 1.2-1.7x
+        faster at 1-4 rows, streaming a step's weights at ~15 GB/s where oneDNN reaches ~9);
+        otherwise ``layer_ops.linear``."""
         rows, width = x.shape
         if (
-            x.dtype == weight.dtype == torch.bfloat16
+            rows <= self._skinny_max_rows
+            and width % 32 == 0
+            and x.dtype == weight.dtype == torch.bfloat16
             and bias is None
             and x.is_contiguous()
             and weight.is_contiguous()

@@ -89,14 +89,7 @@ class LayerOps(Protocol):
 class TorchOps:
     """The reference: plain torch ops, any dtype."""
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        packed: torch.Tensor | None,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return linear(x, weight, packed, bias)
+    linear = staticmethod(linear)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
