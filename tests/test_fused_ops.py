@@ -203,6 +203,66 @@ def test_skinny_linear_takes_only_its_shapes() -> None:
     torch.testing.assert_close(ops.linear(x32, w32, None, None), x32 @ w32.T, atol=0, rtol=0)
 
 
+HAS_AMX = FUSED is not None and FUSED._amx_max_rows > 0
+needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the AMX matmul needs AMX-BF16 (and Linux)")
+
+
+@needs_fused
+@needs_amx
+@pytest.mark.parametrize("rows", [5, 16, 17, 64, 255, 256])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 96)], ids=str)
+def test_amx_linear_is_within_a_bf16_ulp_and_batch_invariant(
+    rows: int, shape: tuple[int, int]
+) -> None:
+    """Decode batches of 5-256 rows through the AMX tiles: float32 sums rounded once, within a
+    bf16 ulp of torch's and of the correctly rounded product; and a row's numbers are the same
+    whatever else is in the batch (oneDNN's are not above 32 rows)."""
+    n, k = shape
+    ops = _fused()
+    weight = _randn(n, k, dtype=torch.bfloat16, seed=1) * 0.05
+    packed = ops.pack(weight)
+    assert packed is not None and packed.shape == (n // 16, k // 32, 16, 32)
+    x = _randn(rows, k, dtype=torch.bfloat16)
+    got = ops.linear(x, weight, packed, None)
+    expected = torch.nn.functional.linear(x, weight)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    # One bf16 rounding plus float32 summation error from torch's and from the exact product:
+    # an entry near zero after cancellation may be a few of its own ulps away; a misplaced tile
+    # is off by O(1). Most entries equal torch's.
+    magnitude = x.double().abs() @ weight.double().abs().T
+    for reference in (expected.double(), x.double() @ weight.double().T):
+        ulp = torch.ldexp(torch.ones_like(reference), torch.frexp(reference).exponent - 8)
+        assert bool(((got.double() - reference).abs() <= ulp + 2**-16 * magnitude).all())
+    assert int((got != expected).sum()) <= got.numel() // 20
+    alone = ops.linear(x[:5].contiguous(), weight, packed, None)
+    torch.testing.assert_close(got[:5], alone, atol=0, rtol=0)
+    last = ops.linear(x[-5:].contiguous(), weight, packed, None)  # the tail rows too
+    torch.testing.assert_close(got[-5:], last, atol=0, rtol=0)
+
+
+@needs_fused
+@needs_amx
+def test_amx_linear_takes_only_its_shapes() -> None:
+    """Weights whose sides are not multiples of 32 keep oneDNN's packing; more than 256 rows, a
+    bias, or float32 go to ``layer_ops.linear`` (bit-identical to torch); tiles that do not
+    match the weight are refused before the C side reads them."""
+    ops = _fused()
+    weight = _randn(64, 576, dtype=torch.bfloat16, seed=1)
+    packed = ops.pack(weight)
+    assert packed is not None and packed.dim() == 4
+    ragged = ops.pack(_randn(48, 576, dtype=torch.bfloat16))
+    assert ragged is None or ragged.dim() == 2  # oneDNN's copy, not tiles
+    assert ops.pack(weight.float()) is None
+    for x, bias in (
+        (_randn(257, 576, dtype=torch.bfloat16), None),
+        (_randn(8, 576, dtype=torch.bfloat16), weight[:, 0].contiguous()),
+    ):
+        expected = torch.nn.functional.linear(x, weight, bias)
+        torch.testing.assert_close(ops.linear(x, weight, packed, bias), expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="tiles"):
+        ops.linear(_randn(8, 576, dtype=torch.bfloat16), weight[:32], packed, None)
+
+
 @needs_fused
 def test_wrong_inputs_are_refused_not_read() -> None:
     ops = _fused()
@@ -222,15 +282,17 @@ def test_wrong_inputs_are_refused_not_read() -> None:
 
 @needs_fused
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("num_tokens", [1, 9, 40])
 @pytest.mark.parametrize("changes", [{}, {"attention_bias": True}], ids=str)
 def test_whole_model_logits(dtype: torch.dtype, num_tokens: int, changes: dict) -> None:
     model = _random_model(dtype, **changes)
     ids = [(3 + 17 * i) % 60 for i in range(num_tokens)]
     expected = _logits(model, ids)
     model.use_layer_ops(_fused())
+    model.pack_weights()  # bf16: AMX tiles where the sides allow, oneDNN's copies elsewhere
     got = _logits(model, ids)
     model.use_layer_ops(TORCH_OPS)
+    assert model.packed_head is None  # the fused ops' packed copies went with them
     torch.testing.assert_close(_logits(model, ids), expected, atol=0, rtol=0)  # switch back
     atol = 1e-4 if dtype == torch.float32 else 0.1  # bf16: a rounding flip grows over layers
     torch.testing.assert_close(got, expected, atol=atol, rtol=0)

@@ -1,16 +1,19 @@
 """``LayerOps`` in C++: each of RMSNorm(+residual), RoPE+split and SiLU*up is one call per layer
 instead of 3-12 torch ops, for float32 and bfloat16 models; and, in bfloat16, the matmuls of
-decode steps of 1-4 rows, which stream the weights faster than oneDNN does.
+decode steps (1-4 rows on AVX512-BF16, 5-256 rows on AMX tiles packed at load), which stream the
+weights faster than oneDNN does.
 
-Owns the kernels' source and their ctypes calls; the build and its cache are ``pagekv.native``'s.
-The numbers follow ``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one
-rounding to the dtype wherever torch rounds); only the sum of squares (another order) and exp
-(another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_num_threads()``
-OpenMP threads once a call has enough work (a prefill chunk; a decode batch of short rows stays on
-one thread); each row is computed the same way whatever the split, so threads never change a bit.
-The bf16 matmul of 1-4 rows (``linear``) sums in another order than oneDNN, so in bfloat16 a
-sequence's numbers depend, within a bf16 ulp per matmul, on whether its decode batch had more
-than 4 rows (float32 is untouched: batch-invariant as before).
+Owns the kernels' source, the AMX weight layout (``pack``) and their ctypes calls; the build and
+its cache are ``pagekv.native``'s. The numbers follow ``layer_ops.TorchOps`` rounding point by
+rounding point (float32 math, one rounding to the dtype wherever torch rounds); only the sum of
+squares (another order) and exp (another polynomial) differ, by float32 ulps. Rows are split over
+``torch.get_num_threads()`` OpenMP threads once a call has enough work (a prefill chunk; a decode
+batch of short rows stays on one thread); each row is computed the same way whatever the split,
+so threads never change a bit. The bf16 matmuls sum in their own orders: the AMX kernel in the
+same order as oneDNN's up to 32 rows and in one order for any row count (oneDNN's order changes
+above 32 rows), the skinny 1-4 row kernel in another. So in bfloat16 a sequence's numbers
+depend, within a bf16 ulp per matmul, on whether its decode batch had 1-4, 5-256 or more rows
+(float32 is untouched: batch-invariant as before).
 
 ``load()`` returns None (callers keep ``TorchOps``) when there is no compiler, the build fails,
 or ``PAGEKV_FUSED_OPS=0``. Imports nothing from runner/ or core/.
@@ -224,6 +227,145 @@ extern "C" int skinny_linear_bf16(const void*, const void*, void*, long, long, l
 extern "C" int skinny_linear_max_rows() { return 0; }
 #endif
 
+// AMX matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for the decode batches the skinny
+// kernel leaves (5 to 256 rows), with w packed once at load (amx_pack_bf16) into the tiles the
+// tile unit multiplies: [N/16][K/32] tiles, each 16 k-pairs x 16 columns x 2 (the VNNI layout).
+// Each thread owns a range of 32-column stripes and streams their tiles once, prefetching the
+// next stripe while it multiplies this one; oneDNN streams the same bytes at about half the
+// speed at these sizes (measured). Every output row is summed in one order, k ascending 32 at a
+// time, whatever M is, so a row's numbers do not depend on the batch it is in.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <vector>
+static const int AMX_MAX_ROWS = 256;  // above, oneDNN's prefill-sized kernels win (measured)
+
+static bool amx_permitted() {  // Linux grants the tile state on request, once per process
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ok;
+}
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+extern "C" void amx_pack_bf16(const void* w, void* packed, long N, long K) {
+    const uint16_t* ws = (const uint16_t*)w;
+    uint16_t* ps = (uint16_t*)packed;
+    #pragma omp parallel for
+    for (long nb = 0; nb < N / 16; ++nb)
+        for (long kb = 0; kb < K / 32; ++kb) {
+            uint16_t* tile = ps + (nb * (K / 32) + kb) * 512;
+            for (int r = 0; r < 16; ++r)  // k pair
+                for (int c = 0; c < 16; ++c)
+                    for (int j = 0; j < 2; ++j)
+                        tile[r * 32 + c * 2 + j] = ws[(nb * 16 + c) * K + kb * 32 + 2 * r + j];
+        }
+}
+
+// 16 float32 -> bfloat16 as store<uint16_t> rounds, 16 at a time
+static inline __m256i round_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+// Row blocks b0 (and b0 + 1 if TWO) of x against one 32-column stripe (tiles b and b + KB*512).
+template <bool TWO>
+static inline void amx_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b,
+                             const uint16_t* next, uint16_t* out, long rows0, long rows1,
+                             long K, long N, float (*c)[16][16]) {
+    const long KB = K / 32;
+    const uint16_t* b1 = b + KB * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (TWO) { _tile_zero(2); _tile_zero(3); }
+    for (long kb = 0; kb < KB; ++kb) {
+        if (next != nullptr) {  // the next stripe's two tiles at this k, 16 lines each
+            const char* n0 = (const char*)(next + kb * 512);
+            const char* n1 = (const char*)(next + (KB + kb) * 512);
+            for (int line = 0; line < 1024; line += 64) {
+                _mm_prefetch(n0 + line, _MM_HINT_T0);
+                _mm_prefetch(n1 + line, _MM_HINT_T0);
+            }
+        }
+        _tile_loadd(4, a0 + kb * 32, K * 2);
+        _tile_loadd(6, b + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (TWO) {
+            _tile_loadd(5, a1 + kb * 32, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (TWO) { _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64); }
+    for (int h = 0; h < (TWO ? 2 : 1); ++h)
+        for (long r = 0; r < (h ? rows1 : rows0); ++r) {
+            uint16_t* o = out + (h * 16 + r) * N;
+            _mm256_storeu_si256((__m256i*)o, round_bf16x16(_mm512_load_ps(c[2 * h][r])));
+            _mm256_storeu_si256((__m256i*)(o + 16), round_bf16x16(_mm512_load_ps(c[2 * h + 1][r])));
+        }
+}
+
+extern "C" int amx_linear_bf16(const void* x, const void* packed, void* out, long M, long K,
+                               long N, int threads) {
+    if (M < 1 || M > AMX_MAX_ROWS || K % 32 != 0 || N % 32 != 0 || !amx_permitted()) return -1;
+    const uint16_t* xs = (const uint16_t*)x;
+    const uint16_t* ps = (const uint16_t*)packed;
+    uint16_t* os = (uint16_t*)out;
+    const long full = M / 16, blocks = (M + 15) / 16, KB = K / 32, stripes = N / 32;
+    std::vector<uint16_t> tail(M % 16 ? 16 * K : 0, 0);  // a tile always loads 16 rows
+    if (M % 16) std::memcpy(tail.data(), xs + full * 16 * K, (M % 16) * K * 2);
+    auto rows_of = [&](long blk) { return blk < full ? xs + blk * 16 * K : tail.data(); };
+    auto count_of = [&](long blk) { return blk < full ? 16L : M % 16; };
+    #pragma omp parallel num_threads(threads)
+    {
+        TileConfig cfg{};
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+        _tile_loadconfig(&cfg);
+        alignas(64) float c[4][16][16];
+        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
+        for (long s = s0; s < s1; ++s) {
+            const uint16_t* b = ps + s * 2 * KB * 512;
+            const uint16_t* next = s + 1 < s1 ? b + 2 * KB * 512 : nullptr;
+            for (long blk = 0; blk < blocks; blk += 2) {
+                uint16_t* o = os + blk * 16 * N + s * 32;
+                if (blk + 1 < blocks)
+                    amx_block<true>(rows_of(blk), rows_of(blk + 1), b, blk ? nullptr : next, o,
+                                    count_of(blk), count_of(blk + 1), K, N, c);
+                else
+                    amx_block<false>(rows_of(blk), nullptr, b, blk ? nullptr : next, o,
+                                     count_of(blk), 0, K, N, c);
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+extern "C" int amx_linear_max_rows() { return amx_permitted() ? AMX_MAX_ROWS : 0; }
+#else
+extern "C" void amx_pack_bf16(const void*, void*, long, long) {}
+extern "C" int amx_linear_bf16(const void*, const void*, void*, long, long, long, int) {
+    return -1;  // no AMX here: the caller keeps oneDNN's matmul
+}
+extern "C" int amx_linear_max_rows() { return 0; }
+#endif
+
 #define ENTRIES(SUFFIX, T)                                                                    \
     extern "C" void add_rms_norm_##SUFFIX(const void* x, void* residual, const void* w,       \
                                           void* out, long rows, long n, float eps, int threads) { \
@@ -273,6 +415,14 @@ class FusedOps:
         self._skinny.argtypes = [_P, _P, _P, _L, _L, _L, _I]
         library.skinny_linear_max_rows.restype = ctypes.c_int
         self._skinny_max_rows = int(library.skinny_linear_max_rows())  # 0: not on this CPU
+        self._amx = library.amx_linear_bf16
+        self._amx.restype = ctypes.c_int
+        self._amx.argtypes = [_P, _P, _P, _L, _L, _L, _I]
+        self._amx_pack = library.amx_pack_bf16
+        self._amx_pack.restype = None
+        self._amx_pack.argtypes = [_P, _P, _L, _L]
+        library.amx_linear_max_rows.restype = ctypes.c_int
+        self._amx_max_rows = int(library.amx_linear_max_rows())  # 0: no AMX (or not granted)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -348,6 +498,23 @@ class FusedOps:
         )
         return q, k, v
 
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The AMX kernel's tiles of a bf16 [out, in] weight whose sides are multiples of 32, on
+        CPUs with AMX: a [out / 16, in / 32, 16, 32] tensor, the same numbers reordered;
+        otherwise ``layer_ops.pack`` (oneDNN's copy, or None)."""
+        out_features, in_features = weight.shape
+        if not (
+            self._amx_max_rows
+            and weight.dtype == torch.bfloat16
+            and weight.is_contiguous()
+            and out_features % 32 == 0
+            and in_features % 32 == 0
+        ):
+            return layer_ops.pack(weight)
+        packed = torch.empty((out_features // 16, in_features // 32, 16, 32), dtype=torch.bfloat16)
+        self._amx_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+        return packed
+
     def linear(
         self,
         x: torch.Tensor,
@@ -355,33 +522,47 @@ class FusedOps:
         packed: torch.Tensor | None,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """bf16 without bias at up to 4 rows (the C side's ``SKINNY_MAX_ROWS``; none on CPUs
-        without AVX512-BF16): the skinny C matmul (within a bf16 ulp of torch's; 1.2-1.7x
-        faster at 1-4 rows, streaming a step's weights at ~15 GB/s where oneDNN reaches ~9);
-        otherwise ``layer_ops.linear``."""
+        """bf16 without bias: at up to 4 rows (the C side's ``SKINNY_MAX_ROWS``; none on CPUs
+        without AVX512-BF16) the skinny C matmul; at up to 256 rows with AMX tiles from
+        ``pack`` the AMX kernel. Both stream a step's weights faster than oneDNN and are within
+        a bf16 ulp of torch's matmul. Otherwise ``layer_ops.linear``."""
         rows, width = x.shape
+        tiles = packed is not None and packed.dim() == 4  # ours, not oneDNN's
         if (
-            rows <= self._skinny_max_rows
-            and width % 32 == 0
-            and x.dtype == weight.dtype == torch.bfloat16
+            x.dtype == weight.dtype == torch.bfloat16
             and bias is None
             and x.is_contiguous()
-            and weight.is_contiguous()
             and weight.shape[1] == width
         ):
-            out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-            handled = self._skinny(
-                x.data_ptr(),
-                weight.data_ptr(),
-                out.data_ptr(),
-                rows,
-                width,
-                weight.shape[0],
-                _threads(),
-            )
-            if handled == 0:
+            out = None
+            if rows <= self._skinny_max_rows and width % 32 == 0 and weight.is_contiguous():
+                out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+                handled = self._skinny(
+                    x.data_ptr(),
+                    weight.data_ptr(),
+                    out.data_ptr(),
+                    rows,
+                    width,
+                    weight.shape[0],
+                    _threads(),
+                )
+            elif tiles and rows <= self._amx_max_rows:
+                assert packed is not None
+                if packed.shape != (weight.shape[0] // 16, width // 32, 16, 32):
+                    raise ValueError("fused linear: packed tiles do not match the weight")
+                out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+                handled = self._amx(
+                    x.data_ptr(),
+                    packed.data_ptr(),
+                    out.data_ptr(),
+                    rows,
+                    width,
+                    weight.shape[0],
+                    _threads(),
+                )
+            if out is not None and handled == 0:
                 return out
-        return layer_ops.linear(x, weight, packed, bias)
+        return layer_ops.linear(x, weight, None if tiles else packed, bias)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not (

@@ -64,18 +64,6 @@ _LAYER_PARAMS: dict[str, tuple[str, str | None]] = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _PACKED_PARAMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-PACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count stays exact
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's prepacked copy of a bf16 [out, in] weight; None for other dtypes or builds."""
-    if weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return None
-    try:
-        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-    except (RuntimeError, AttributeError):  # op missing from this build, or the CPU lacks bf16
-        return None
-    return packed
 
 
 def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -142,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.ops.linear(x, getattr(self, name), self.packed.get(name), bias)
 
     def pack_weights(self) -> None:
-        self.packed = {name: _pack(getattr(self, name).data) for name in _PACKED_PARAMS}
+        self.packed = {name: self.ops.pack(getattr(self, name).data) for name in _PACKED_PARAMS}
 
 
 class LlamaForCausalLM(nn.Module):
@@ -197,14 +185,20 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def use_layer_ops(self, ops: LayerOps) -> None:
-        """Run the elementwise ops of every layer (and the final norm) through ``ops``."""
+        """Run every layer's matmuls and elementwise ops (and the final norm) through ``ops``.
+
+        Packed weights are in the layout of the ops that packed them: switching ops drops
+        them (``pack_weights`` again to have the new ops' layout)."""
+        if ops is not self.ops:
+            self._unpack()
         self.ops = ops
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.ops = ops
 
     def pack_weights(self) -> None:
-        """Prepack every matmul weight for oneDNN (bfloat16 models; a no-op otherwise).
+        """Prepack every matmul weight in the layout of the current ops' ``pack`` (oneDNN's
+        or the AMX tiles of the fused ops, for bfloat16 models; a no-op otherwise).
 
         The packed copies are taken from the parameters as they are now; ``load_weights``
         drops them, so call this after loading. Packing twice is a no-op.
@@ -214,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.pack_weights()
-        self.packed_head = _pack(self._head().data)
+        self.packed_head = self.ops.pack(self._head().data)
 
     def _unpack(self) -> None:
         for layer in self.layers:

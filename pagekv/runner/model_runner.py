@@ -97,14 +97,14 @@ class ModelRunner:
 
     def _speed_up_model(self) -> None:
         """The fast path's changes to the model: speed only, numbers within a bf16 ulp."""
-        if os.environ.get(PACK_ENV, "1") != "0":
-            self.model.pack_weights()  # bf16: oneDNN-blocked weights, same numbers, faster decode
         ops = fused_ops.load()  # None when disabled (PAGEKV_FUSED_OPS=0) or unavailable
         if ops is not None and ops.supports(self.dtype):
             self.model.use_layer_ops(ops)  # norms, RoPE, SiLU*up: one C call each
         else:
             logger.debug("fused layer ops not used for %s; torch ops", self.dtype)
             self.model.use_layer_ops(TORCH_OPS)
+        if os.environ.get(PACK_ENV, "1") != "0":
+            self.model.pack_weights()  # bf16: weights blocked for the ops' decode matmuls
 
     # ---- per-request sampler state --------------------------------------------------------------
 
