@@ -41,11 +41,14 @@ def _lengths(rng: random.Random, block_size: int) -> tuple[int, int]:
     return seq_len, rng.randint(1, seq_len)
 
 
-def _make_case(seed: int, block_size: int, dtype: torch.dtype) -> Case:
+def _make_case(
+    seed: int, block_size: int, dtype: torch.dtype, lens: list[tuple[int, int]] | None = None
+) -> Case:
+    """``lens``: (seq_len, q_len) per sequence; random when None."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    num_seqs = rng.randint(1, 6)
-    lens = [_lengths(rng, block_size) for _ in range(num_seqs)]
+    if lens is None:
+        lens = [_lengths(rng, block_size) for _ in range(rng.randint(1, 6))]
     blocks_needed = [-(-s // block_size) for s, _ in lens]
     num_blocks = sum(blocks_needed) + 3
     free = list(range(num_blocks))

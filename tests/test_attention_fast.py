@@ -104,6 +104,31 @@ def test_fast_matches_reference_bfloat16(backend: str, block_size: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_of_one_shape_are_attended_together(dtype: torch.dtype) -> None:
+    """Prefill chunks of the same shape (several suffixes over cached prefixes, several whole
+    prompts of one length) go through one batched SDPA call: the same numbers as one call per
+    chunk, and as the reference."""
+    lens = [(40, 8), (12, 12), (40, 8), (7, 1), (40, 8), (12, 12), (40, 5), (25, 25)]
+    case = _make_case(5, 16, dtype, lens=lens)
+    order, layout, new_k, new_v = _fast_inputs(case)
+    loc = case.meta.query_start_loc.tolist()
+    rows = torch.cat([torch.arange(loc[b], loc[b + 1]) for b in order])
+    q, caches = case.q[rows], (case.k_cache, case.v_cache)
+    grouped = FastAttention(layout, SCALE, None)(q, new_k, new_v, caches)
+    assert sorted(len(g.chunks) for g in FastAttention(layout, SCALE, None)._groups) == [1, 1, 2, 3]
+    for chunk in layout.prefill:  # the same chunk alone in its step
+        alone = StepLayout(0, layout.decode, (chunk,))
+        tokens = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        single = FastAttention(alone, SCALE, None)(q, new_k, new_v, caches)
+        torch.testing.assert_close(grouped[tokens], single[tokens], atol=0, rtol=0)
+    out = torch.empty_like(grouped)
+    out[rows] = grouped
+    expected = paged_attention_reference(case.q, case.k_cache, case.v_cache, case.meta, SCALE)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
 def test_kernel_matches_torch_decode(

@@ -157,15 +157,16 @@ def test_n_branches_with_seeds_are_returned_in_order(llm: LLM) -> None:
 
 def test_stats_report_capacity_and_usage(llm: LLM) -> None:
     prompt = " ".join(list(string.ascii_lowercase) * 2)
-    same_step = llm.generate([prompt] * 2, GREEDY, use_tqdm=False)
-    # Admitted in one step, neither can hit: blocks join the cache only once computed.
-    assert [o.num_cached_tokens for o in same_step] == [0, 0]
+    together = llm.generate([prompt] * 2, GREEDY, use_tqdm=False)
+    # Blocks join the cache only once computed, so the second waits one step for the first's
+    # prefill and then hits its 3 full blocks (of 52 prompt tokens; the last is recomputed).
+    assert [o.num_cached_tokens for o in together] == [0, 48]
     later = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
-    assert later.num_cached_tokens == 48  # 3 full blocks of the 52 prompt tokens; last recomputed
+    assert later.num_cached_tokens == 48
     s = llm.stats()
     assert s["kv_blocks_total"] == 256
     assert s["kv_blocks_free"] + s["kv_blocks_used"] + s["kv_blocks_evictable"] == 256
-    assert s["prefix_cache_hit_tokens"] == 48
+    assert s["prefix_cache_hit_tokens"] == 96
     assert "KV cache: 256 blocks x 16 tokens" in llm.engine.capacity_line
 
 

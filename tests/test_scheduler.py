@@ -162,6 +162,28 @@ def test_fcfs_admits_head_of_line_only() -> None:
     assert [r.request_id for r in sched.waiting] == ["big", "small"]
 
 
+def test_a_request_waits_one_step_for_a_prefix_another_computes_now() -> None:
+    """Two requests with one prompt arrive together: the second waits a step (the first's
+    prefill completes the 3 shareable blocks) and then hits them instead of computing them a
+    second time in the same step. Without prefix caching there is nothing to wait for."""
+    for caching in (True, False):
+        kv = KVCacheManager(32, 4, enable_prefix_caching=caching)
+        sched = Scheduler(SchedulerConfig(block_size=4), kv)
+        runner = FakeRunner(kv)
+        sched.add(make_request("a", 14, 2))
+        sched.add(make_request("b", 14, 2))
+        first = run_step(sched, runner)
+        if not caching:
+            assert scheduled_ids(first.scheduled) == ["a", "b"]
+            continue
+        assert scheduled_ids(first.scheduled) == ["a"]
+        second = run_step(sched, runner)
+        (entry,) = [s for s in second.scheduled if s.request.request_id == "b"]
+        assert (entry.start_position, entry.num_tokens) == (12, 2)
+        assert entry.request.num_cached_prompt_tokens == 12
+        run_until_done(sched, runner, max_steps=10)
+
+
 # ---- order and aging ----------------------------------------------------------------------------
 
 

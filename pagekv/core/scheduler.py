@@ -21,7 +21,8 @@ and a resumed request differ only in how far apart the two numbers are. Order wi
        behind it, so small or cache-hot requests cannot starve a large one), while budget,
        sequence cap and free blocks allow, keeping a small watermark of blocks free so
        admissions do not preempt each other; not in a step that preempted or left requests
-       swapped out (they come back first)
+       swapped out (they come back first). A request whose next uncached prefix block another
+       prefill of this step completes waits one step, then hits it (in-batch prefix sharing)
 
 A request whose prefix is being fetched from the storage tier waits in ``loading``, outside the
 queue, so it blocks no one; it returns to ``waiting`` (in its old place) when the prefetch
@@ -39,6 +40,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from pagekv.core.block_pool import BlockHash
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan, ScheduledRequest
 from pagekv.core.policy import RequestOrder, RequestQueue, SchedulingPolicy, check_priority
@@ -228,7 +230,7 @@ class Scheduler:
             self._running_sorted = True
         scheduled, budget = self._schedule_running(budget, preempted)
         if not preempted and not self.swapped:
-            scheduled += self._admit(budget)
+            scheduled += self._admit(budget, scheduled)
         self._preempted_last_step = bool(preempted)
         return Plan(self.step, tuple(scheduled), self.kv.take_transfers(), tuple(preempted))
 
@@ -281,11 +283,18 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, budget: int) -> list[ScheduledRequest]:
+    def _admit(self, budget: int, running: list[ScheduledRequest]) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
+        computing: set[BlockHash] = set()  # prefix blocks this step's prefills complete
+        for entry in running:
+            computing.update(
+                self._blocks_completed(entry.request, entry.start_position, entry.num_tokens)
+            )
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             num_cached = self.kv.num_cached_tokens(request)
+            if self._next_block_in(request, num_cached, computing):
+                break  # computed this step by another request: next step it is a hit
             num_new = self._chunk(request.num_target_tokens - num_cached, budget, 0)
             reserve = self._watermark_blocks if self.running else 0
             if not self.kv.can_allocate(request, num_new, reserve):
@@ -300,8 +309,30 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._join_running(request)
             scheduled.append(self._entry(request, num_new))
+            computing.update(self._blocks_completed(request, num_hit, num_new))
             budget -= num_new
         return scheduled
+
+    # In-batch prefix sharing: requests that arrive together with a common prefix (a system
+    # prompt, n samples of one prompt sent separately) would each compute it in the same step,
+    # because a block becomes a prefix hit only once computed. So a waiting request whose next
+    # uncached block is completed by a prefill of this step waits one step and then hits it
+    # (SGLang does the same). Only prefills (chunks of 2+ tokens) are looked at: the decode
+    # hot path pays nothing.
+
+    def _blocks_completed(self, request: Request, start: int, num_new: int) -> list[BlockHash]:
+        """Hashes of the shareable prefix blocks that tokens [start, start + num_new) fill."""
+        if num_new < 2 or not self.kv.enable_prefix_caching:
+            return []
+        block_size = self.kv.block_size
+        return self.kv.prefix_chain(request)[start // block_size : (start + num_new) // block_size]
+
+    def _next_block_in(self, request: Request, num_cached: int, computing: set[BlockHash]) -> bool:
+        if not computing:
+            return False
+        chain = self.kv.prefix_chain(request)
+        index = num_cached // self.kv.block_size
+        return index < len(chain) and chain[index] in computing
 
     def _swap_in_some(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:

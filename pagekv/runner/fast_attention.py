@@ -50,6 +50,34 @@ class StepLayout:
     prefill: tuple[PrefillChunk, ...]
 
 
+@dataclass(frozen=True)
+class _ChunkGroup:
+    """Prefill chunks of one shape (new tokens, sequence length, with or without history),
+    attended in one SDPA call with the chunks as its batch: their causal masks are the same.
+    Requests that share a cached prefix and add suffixes of one length (a system prompt and
+    fixed-size questions, n samples of a prompt) are such chunks; each alone is too small for
+    SDPA to pay for its call."""
+
+    chunks: tuple[PrefillChunk, ...]
+    rows: torch.Tensor  # int64 [G * L]: the chunks' flat token rows, chunk after chunk
+    block_ids: torch.Tensor | None  # int64 [G * nb]: their blocks, chunk after chunk (history)
+
+
+def _group_chunks(chunks: tuple[PrefillChunk, ...]) -> list[_ChunkGroup]:
+    by_shape: dict[tuple[int, int, bool], list[PrefillChunk]] = {}
+    for chunk in chunks:
+        key = (chunk.num_tokens, chunk.seq_len, chunk.block_ids is not None)
+        by_shape.setdefault(key, []).append(chunk)
+    groups = []
+    for members in by_shape.values():
+        rows = torch.cat(
+            [torch.arange(c.token_start, c.token_start + c.num_tokens) for c in members]
+        )
+        history = [c.block_ids for c in members if c.block_ids is not None]
+        groups.append(_ChunkGroup(tuple(members), rows, torch.cat(history) if history else None))
+    return groups
+
+
 class FastAttention:
     """One step's attention over the paged cache, for every layer: layout, scale and kernel
     are fixed for the step, the layer's q/k/v and caches change."""
@@ -58,6 +86,7 @@ class FastAttention:
         self.layout = layout
         self.scale = scale
         self.kernel = kernel
+        self._groups = _group_chunks(layout.prefill)  # once per step, not per layer
 
     def __call__(
         self,
@@ -84,9 +113,13 @@ class FastAttention:
                 out[:nd] = decode_attention_torch(
                     q[:nd], k_cache, v_cache, self.layout.decode, self.scale
                 )
-        for chunk in self.layout.prefill:
-            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = _prefill_chunk(q[rows], k[rows], v[rows], caches, chunk, self.scale)
+        for group in self._groups:
+            if len(group.chunks) == 1:
+                chunk = group.chunks[0]
+                rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+                out[rows] = _prefill_chunk(q[rows], k[rows], v[rows], caches, chunk, self.scale)
+            else:
+                out[group.rows] = _prefill_group(q, k, v, caches, group, self.scale)
         return out
 
 
@@ -117,6 +150,46 @@ def _prefill_chunk(
         enable_gqa=True,
     )  # [1, H, L, D]
     return out[0].transpose(0, 1)
+
+
+def _prefill_group(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    group: _ChunkGroup,
+    scale: float,
+) -> torch.Tensor:
+    """``_prefill_chunk`` for G chunks of one shape at once: q [T, H, D] and k/v [T, KVH, D]
+    of the whole step -> [G * L, H, D] for ``group.rows``."""
+    first = group.chunks[0]
+    count, length, seq_len = len(group.chunks), first.num_tokens, first.seq_len
+    heads, head_dim = q.shape[1:]
+    queries = q.index_select(0, group.rows).view(count, length, heads, head_dim)
+    if group.block_ids is None:  # whole prompts: their own K/V, causal
+        keys = k.index_select(0, group.rows).view(count, length, *k.shape[1:])
+        values = v.index_select(0, group.rows).view(count, length, *v.shape[1:])
+    else:  # cached history: every chunk's seq_len slots through its blocks
+        keys = _read_group_blocks(caches[0], group.block_ids, count, seq_len)
+        values = _read_group_blocks(caches[1], group.block_ids, count, seq_len)
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),  # [G, H, L, D]
+        keys.transpose(1, 2),  # [G, KVH, S, D]
+        values.transpose(1, 2),
+        attn_mask=first.mask,  # [L, S], the same for every chunk of the group
+        is_causal=first.mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )  # [G, H, L, D]
+    return out.transpose(1, 2).reshape(count * length, heads, head_dim)
+
+
+def _read_group_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, count: int, seq_len: int
+) -> torch.Tensor:
+    """cache [num_blocks, bs, KVH, D], block_ids [count * nb] -> [count, seq_len, KVH, D]."""
+    blocks = cache.index_select(0, block_ids)  # [count * nb, bs, KVH, D]
+    return blocks.view(count, -1, *cache.shape[2:])[:, :seq_len]
 
 
 def _read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
