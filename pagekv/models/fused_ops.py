@@ -231,16 +231,17 @@ extern "C" int skinny_linear_max_rows() { return 0; }
 // kernel leaves (5 to 256 rows), with w packed once at load (amx_pack_bf16) into the tiles the
 // tile unit multiplies: [N/16][K/32] tiles, each 16 k-pairs x 16 columns x 2 (the VNNI layout).
 // Each thread owns a range of 32-column stripes and streams their tiles once, prefetching the
-// next stripe while it multiplies this one; oneDNN streams the same bytes at about half the
-// speed at these sizes (measured). Every output row is summed in one order, k ascending 32 at a
-// time, whatever M is, so a row's numbers do not depend on the batch it is in.
+// next stripe while it multiplies this one: up to 32 rows (one pass of two row blocks per
+// stripe) at memory speed, ~1.7x oneDNN's rate; at 33-256 rows (more passes) about even with
+// oneDNN, measured. Every output row is summed in one order, k ascending 32 at a time, whatever
+// M is, so a row's numbers do not depend on the batch it is in.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <vector>
-static const int AMX_MAX_ROWS = 256;  // above, oneDNN's prefill-sized kernels win (measured)
+static const int AMX_MAX_ROWS = 256;  // about even with oneDNN here; above, oneDNN's turn
 
 static bool amx_permitted() {  // Linux grants the tile state on request, once per process
     static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
@@ -524,8 +525,9 @@ class FusedOps:
     ) -> torch.Tensor:
         """bf16 without bias: at up to 4 rows (the C side's ``SKINNY_MAX_ROWS``; none on CPUs
         without AVX512-BF16) the skinny C matmul; at up to 256 rows with AMX tiles from
-        ``pack`` the AMX kernel. Both stream a step's weights faster than oneDNN and are within
-        a bf16 ulp of torch's matmul. Otherwise ``layer_ops.linear``."""
+        ``pack`` the AMX kernel. Both are within a bf16 ulp of torch's matmul and stream a
+        step's weights faster than oneDNN up to 32 rows (about even above). Otherwise
+        ``layer_ops.linear``."""
         rows, width = x.shape
         tiles = packed is not None and packed.dim() == 4  # ours, not oneDNN's
         if (
