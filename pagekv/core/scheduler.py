@@ -286,7 +286,7 @@ class Scheduler:
     def _admit(self, budget: int, running: list[ScheduledRequest]) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
         computing: set[BlockHash] = set()  # prefix blocks this step's prefills complete
-        for entry in running:
+        for entry in running if self.waiting else ():  # a steady decode batch skips this
             computing.update(
                 self._blocks_completed(entry.request, entry.start_position, entry.num_tokens)
             )

@@ -530,39 +530,23 @@ class FusedOps:
         ``layer_ops.linear``."""
         rows, width = x.shape
         tiles = packed is not None and packed.dim() == 4  # ours, not oneDNN's
+        kernel, operand = None, None  # the C matmul for this shape and what it reads
         if (
             x.dtype == weight.dtype == torch.bfloat16
             and bias is None
             and x.is_contiguous()
             and weight.shape[1] == width
         ):
-            out = None
             if rows <= self._skinny_max_rows and width % 32 == 0 and weight.is_contiguous():
-                out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-                handled = self._skinny(
-                    x.data_ptr(),
-                    weight.data_ptr(),
-                    out.data_ptr(),
-                    rows,
-                    width,
-                    weight.shape[0],
-                    _threads(),
-                )
-            elif tiles and rows <= self._amx_max_rows:
-                assert packed is not None
+                kernel, operand = self._skinny, weight
+            elif packed is not None and tiles and rows <= self._amx_max_rows:
                 if packed.shape != (weight.shape[0] // 16, width // 32, 16, 32):
                     raise ValueError("fused linear: packed tiles do not match the weight")
-                out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-                handled = self._amx(
-                    x.data_ptr(),
-                    packed.data_ptr(),
-                    out.data_ptr(),
-                    rows,
-                    width,
-                    weight.shape[0],
-                    _threads(),
-                )
-            if out is not None and handled == 0:
+                kernel, operand = self._amx, packed
+        if kernel is not None and operand is not None:
+            out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+            args = (x.data_ptr(), operand.data_ptr(), out.data_ptr(), rows, width)
+            if kernel(*args, weight.shape[0], _threads()) == 0:  # else: declined, use torch
                 return out
         return layer_ops.linear(x, weight, None if tiles else packed, bias)
 
