@@ -4,15 +4,18 @@ that ``prepare_step`` builds from a plan."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, Case, _make_case
 
 from pagekv import native
 from pagekv.models.loader import LoadedModel
-from pagekv.runner import cpu_kernel
+from pagekv.runner import cpu_kernel, prefill_kernel
 from pagekv.runner.attention import paged_attention_reference
 from pagekv.runner.cpu_kernel import DecodeBatch
 from pagekv.runner.fast_attention import (
@@ -23,6 +26,11 @@ from pagekv.runner.fast_attention import (
 )
 
 KERNEL = cpu_kernel.load()
+PREFILL = prefill_kernel.load()
+needs_prefill_kernel = pytest.mark.skipif(
+    PREFILL is None or not PREFILL.available,
+    reason="the prefill kernel needs a compiler and AMX-BF16 (and Linux)",
+)
 BACKENDS = [
     "torch",
     pytest.param(
@@ -53,13 +61,12 @@ def _fast_inputs(case: Case) -> tuple[list[int], StepLayout, torch.Tensor, torch
     chunks, start = [], len(decode)
     for b in order[len(decode) :]:
         seq_len, num = seq_lens[b], q_lens[b]
-        chunk = PrefillChunk(start, num, seq_len)
+        blocks = meta.block_tables[b, : -(-seq_len // bs)]
+        mask = None
         if num < seq_len:
             positions = torch.arange(seq_len - num, seq_len)
             mask = torch.arange(seq_len)[None, :] <= positions[:, None]
-            blocks = meta.block_tables[b, : -(-seq_len // bs)]
-            chunk = PrefillChunk(start, num, seq_len, block_ids=blocks, mask=mask)
-        chunks.append(chunk)
+        chunks.append(PrefillChunk(start, num, seq_len, blocks, mask))
         start += num
     new_k = torch.cat([case.seq_k[b][seq_lens[b] - q_lens[b] :] for b in order])
     new_v = torch.cat([case.seq_v[b][seq_lens[b] - q_lens[b] :] for b in order])
@@ -71,8 +78,8 @@ def _run_fast(case: Case, backend: str) -> torch.Tensor:
     order, layout, new_k, new_v = _fast_inputs(case)
     loc = case.meta.query_start_loc.tolist()
     rows = torch.cat([torch.arange(loc[b], loc[b + 1]) for b in order])  # fast -> case order
-    kernel = KERNEL if backend == "kernel" else None
-    attention = FastAttention(layout, SCALE, kernel)
+    kernels = (KERNEL, PREFILL) if backend == "kernel" else (None, None)
+    attention = FastAttention(layout, SCALE, *kernels)
     out_fast = attention(case.q[rows], new_k, new_v, (case.k_cache, case.v_cache))
     out = torch.empty_like(out_fast)
     out[rows] = out_fast
@@ -98,8 +105,9 @@ def test_fast_matches_reference_bfloat16(backend: str, block_size: int) -> None:
         expected = paged_attention_reference(case.q, case.k_cache, case.v_cache, case.meta, SCALE)
         out = _run_fast(case, backend)
         assert out.dtype == torch.bfloat16
-        # Same bf16 inputs; the kernel is float32 inside, SDPA accumulates in float32: only
-        # the rounding of intermediate products and of the output to bf16 differs.
+        # Same bf16 inputs; the kernels are float32 inside (the prefill kernel rounds the
+        # probabilities to bf16 as SDPA does), SDPA accumulates in float32: only the rounding
+        # of intermediate products and of the output to bf16 differs.
         torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -126,6 +134,118 @@ def test_chunks_of_one_shape_are_attended_together(dtype: torch.dtype) -> None:
     expected = paged_attention_reference(case.q, case.k_cache, case.v_cache, case.meta, SCALE)
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@dataclass
+class PrefillStep:
+    """A step of bf16 prefill chunks only: q and the new k/v [T, heads, 64] in flat order."""
+
+    q: torch.Tensor
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    caches: tuple[torch.Tensor, torch.Tensor]
+    layout: StepLayout
+
+    def attend(self, prefill: prefill_kernel.PrefillKernel | None) -> torch.Tensor:
+        attention = FastAttention(self.layout, SCALE, None, prefill)
+        return attention(self.q, self.new_k, self.new_v, self.caches)
+
+
+NO_DECODE = DecodeBatch(torch.zeros(0, 0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0)
+
+
+def _prefill_step(
+    seed: int, lens: list[tuple[int, int]], heads: tuple[int, int], block_size: int
+) -> PrefillStep:
+    """Prefill chunks of (history, new tokens) through shuffled blocks, NaN in every slot no
+    chunk has written."""
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(h + n) // block_size) for h, n in lens]
+    order = torch.randperm(sum(needed) + 2, generator=gen)
+    shape = (sum(needed) + 2, block_size, num_kv_heads, 64)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    chunks, new_k, new_v, used, start = [], [], [], 0, 0
+    for (history, new), count in zip(lens, needed, strict=True):
+        blocks = order[used : used + count]
+        used += count
+        positions = torch.arange(history + new)
+        slots = blocks[positions // block_size] * block_size + positions % block_size
+        for cache, step_rows in ((k_cache, new_k), (v_cache, new_v)):
+            rows = torch.randn(history + new, num_kv_heads, 64, generator=gen).to(cache.dtype)
+            cache.view(-1, num_kv_heads, 64)[slots] = rows
+            step_rows.append(rows[history:])
+        mask = positions[None, :] <= (history + torch.arange(new))[:, None]
+        chunks.append(PrefillChunk(start, new, history + new, blocks, mask if history else None))
+        start += new
+    q = torch.randn(start, num_heads, 64, generator=gen).to(torch.bfloat16)
+    layout = StepLayout(0, NO_DECODE, tuple(chunks))
+    return PrefillStep(q, torch.cat(new_k), torch.cat(new_v), (k_cache, v_cache), layout)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
+def test_prefill_kernel_matches_float32_attention(heads: tuple[int, int], block_size: int) -> None:
+    """Whole prompts and chunks over a history, 2 to 333 new tokens (partial query blocks,
+    several 64-key score rows), against float32 attention of the same bf16 numbers: within
+    what SDPA in bf16 gets, and never reading an unwritten (NaN) slot."""
+    assert PREFILL is not None
+    lens = [(0, 277), (0, 5), (48, 100), (13, 2), (0, 64), (200, 133), (0, 2), (63, 65)]
+    step = _prefill_step(block_size, lens, heads, block_size)
+    out, sdpa = step.attend(PREFILL), step.attend(None)
+    group = heads[0] // heads[1]
+    for chunk in step.layout.prefill:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        keys, values = (
+            c[chunk.block_ids].flatten(0, 1)[: chunk.seq_len].float().repeat_interleave(group, 1)
+            for c in step.caches
+        )
+        history = chunk.seq_len - chunk.num_tokens
+        visible = (
+            torch.arange(chunk.seq_len)[None, :]
+            <= history + torch.arange(chunk.num_tokens)[:, None]
+        )
+        expected = F.scaled_dot_product_attention(
+            step.q[rows].float().transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=visible,
+            scale=SCALE,
+        ).transpose(0, 1)
+        assert not out[rows].isnan().any()
+        error = (out[rows].float() - expected).abs().max().item()
+        sdpa_error = (sdpa[rows].float() - expected).abs().max().item()
+        assert error <= max(2 * sdpa_error, 1e-2), (chunk, error, sdpa_error)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_rows_do_not_depend_on_the_step() -> None:
+    """A chunk's rows are the same bits alone in its step as beside other chunks (its query
+    blocks' extra keys add exact zeros; threads split work, never a row's sums)."""
+    lens = [(0, 40), (17, 30), (0, 300), (100, 9)]
+    step = _prefill_step(3, lens, (NUM_HEADS, NUM_KV_HEADS), 16)
+    together = step.attend(PREFILL)
+    for chunk in step.layout.prefill:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        alone = PrefillStep(
+            step.q[rows],
+            step.new_k[rows],
+            step.new_v[rows],
+            step.caches,
+            StepLayout(0, NO_DECODE, (dataclasses.replace(chunk, token_start=0),)),
+        ).attend(PREFILL)
+        torch.testing.assert_close(alone, together[rows], atol=0, rtol=0)
+
+
+def test_prefill_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    prefill_kernel.load.cache_clear()
+    monkeypatch.setenv(prefill_kernel.DISABLE_ENV, "0")
+    try:
+        assert prefill_kernel.load() is None
+    finally:
+        prefill_kernel.load.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

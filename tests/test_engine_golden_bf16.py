@@ -4,9 +4,9 @@ transformers running the same weights in bf16, one prompt at a time.
 Two bf16 implementations round differently (pagekv keeps RoPE and the decode softmax in
 float32; transformers rounds RoPE to bf16), so exact equality is not the contract. The rule:
 walk the tokens; while they agree, our logprob of each token must be close to the reference's;
-at the first difference the reference's top-2 logits must be within ``BF16_TIE_MARGIN`` (a near
-tie, which either implementation may break either way) and our token one of the two; after it
-the sequences legitimately diverge, so stop comparing.
+at the first difference our token's reference logit must be within ``BF16_TIE_MARGIN`` of the
+reference's best (a near tie, which either implementation may break either way); after it the
+sequences legitimately diverge, so stop comparing.
 
 Near ties are common in bf16: measured on these prompts, transformers bf16 itself leaves its own
 float32 greedy path after 8-61 tokens on 4 of 8 prompts, every time at a margin <= 0.25. So the
@@ -83,11 +83,14 @@ def agreeing_prefix(ours: list[int], ours_logprobs: list[float], ref: Reference)
                 f"token {j}: logprob {ours_logprobs[j]:.3f}, reference {ref_logprob:.3f}"
             )
             continue
-        assert ref.margins[j] < BF16_TIE_MARGIN, (
-            f"token {j}: ours {a} != reference {b}, reference margin {ref.margins[j]:.3f}"
+        # Our token must be a near-top choice of the reference: within the tie margin of its
+        # best (logprob differences are logit differences). Not "one of its top 2": ties of
+        # three happen (prompt 5, token 3: two tokens exactly level 0.125 below the best), and
+        # topk's order among exactly equal logits means nothing.
+        gap = float(ref.logprobs[j, b] - ref.logprobs[j, a])
+        assert gap < BF16_TIE_MARGIN, (
+            f"token {j}: ours {a} != reference {b}, {gap:.3f} below it in the reference"
         )
-        top2 = ref.logprobs[j].topk(2).indices.tolist()
-        assert a in top2, f"token {j}: ours {a} is not in the reference's top 2 {top2}"
         return j
     return len(ours)
 

@@ -39,7 +39,8 @@ CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp", "-ffp-contract=off")
 # Plain loops that GCC vectorizes (the omp simd pragmas allow the reassociated sums; check with
 # -fopt-info-vec); bfloat16 is widened and rounded with integer ops, the same round-to-nearest-
 # even as torch.
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -236,24 +237,12 @@ extern "C" int skinny_linear_max_rows() { return 0; }
 // oneDNN, measured. Every output row is summed in one order, k ascending 32 at a time, whatever
 // M is, so a row's numbers do not depend on the batch it is in.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <vector>
+"""
+    + native.AMX_SOURCE
+    + r"""
 static const int AMX_MAX_ROWS = 256;  // about even with oneDNN here; above, oneDNN's turn
-
-static bool amx_permitted() {  // Linux grants the tile state on request, once per process
-    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
-    return ok;
-}
-
-struct TileConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 extern "C" void amx_pack_bf16(const void* w, void* packed, long N, long K) {
     const uint16_t* ws = (const uint16_t*)w;
@@ -267,17 +256,6 @@ extern "C" void amx_pack_bf16(const void* w, void* packed, long N, long K) {
                     for (int j = 0; j < 2; ++j)
                         tile[r * 32 + c * 2 + j] = ws[(nb * 16 + c) * K + kb * 32 + 2 * r + j];
         }
-}
-
-// 16 float32 -> bfloat16 as store<uint16_t> rounds, 16 at a time
-static inline __m256i round_bf16x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
 }
 
 // Row blocks b0 (and b0 + 1 if TWO) of x against one 32-column stripe (tiles b and b + KB*512).
@@ -334,10 +312,7 @@ extern "C" int amx_linear_bf16(const void* x, const void* packed, void* out, lon
     auto count_of = [&](long blk) { return blk < full ? 16L : M % 16; };
     #pragma omp parallel num_threads(threads)
     {
-        TileConfig cfg{};
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-        _tile_loadconfig(&cfg);
+        configure_tiles();
         alignas(64) float c[4][16][16];
         const long t = omp_get_thread_num(), nt = omp_get_num_threads();
         const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
@@ -386,6 +361,7 @@ extern "C" int amx_linear_max_rows() { return 0; }
 ENTRIES(f32, float)
 ENTRIES(bf16, uint16_t)
 """
+)
 
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int

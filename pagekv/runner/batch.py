@@ -67,11 +67,10 @@ def _prefill_chunk(
     blocks = torch.tensor(entry.block_table[: -(-seq_len // block_size)], dtype=torch.int64)
     positions = torch.arange(start, seq_len)  # [L]
     slots = blocks[positions // block_size] * block_size + positions % block_size  # [L]
-    chunk = PrefillChunk(token_start, num, seq_len)
-    if start > 0:  # history in the cache: read it through the blocks, mask with an offset
+    mask = None
+    if start > 0:  # history in the cache: SDPA reads it through the blocks, masked with an offset
         mask = torch.arange(seq_len)[None, :] <= positions[:, None]  # [L, S]
-        chunk = PrefillChunk(token_start, num, seq_len, block_ids=blocks, mask=mask)
-    return chunk, positions, slots
+    return PrefillChunk(token_start, num, seq_len, blocks, mask), positions, slots
 
 
 def prepare_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> StepInputs:

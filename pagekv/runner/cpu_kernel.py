@@ -23,11 +23,45 @@ from pagekv import native
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
 CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp")
 
+# exp(x) for x <= 0 on 16 float32 lanes and a mask of the first n lanes, for the softmaxes of
+# this kernel and the prefill kernel (prefill_kernel.py).
+EXP_SOURCE = r"""
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// The decode kernel's exp_nonpositive on 16 lanes, the same operations in the same order. (GCC
+// leaves a scalar loop of it unvectorized: it calls floorf per element, which made the softmax a
+// third of the decode kernel's time.)
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const auto c = [](float v) { return _mm512_set1_ps(v); };
+    x = _mm512_max_ps(x, c(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, c(1.44269504f)), c(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, c(0.693359375f))),
+                                   _mm512_mul_ps(n, c(2.12194440e-4f)));
+    __m512 p = c(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), c(1.f));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+static inline __mmask16 first_lanes(int n) {  // lanes [0, min(n, 16))
+    return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
+#endif
+"""
+
 # Per sequence (or per kv head of one, when sequences are fewer than threads): the scores of every
 # query head against every cached key, read in place through the block table, block by block;
 # softmax in float32; then one pass over the values. Each K and V row is read from memory once
 # and reused by the G query heads that share its kv head.
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -56,6 +90,9 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+"""
+    + EXP_SOURCE
+    + r"""
 struct Shape { int num_heads, kv_heads, group, block_size; long token_stride; };
 
 // Row primitives over D elements: dot(q, k) and acc += p * v. Written with AVX-512 intrinsics
@@ -180,32 +217,6 @@ static inline void pv_heads(int group, const float* p, long p_stride, const KV* 
 }
 
 #if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes, the same operations in the same order. (GCC leaves the scalar
-// loop below unvectorized: it calls floorf per element, which made the softmax a third of the
-// kernel's time.)
-static inline __m512 exp_nonpositive16(__m512 x) {
-    const auto c = [](float v) { return _mm512_set1_ps(v); };
-    x = _mm512_max_ps(x, c(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, c(1.44269504f)), c(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, c(0.693359375f))),
-                                   _mm512_mul_ps(n, c(2.12194440e-4f)));
-    __m512 p = c(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), c(1.f));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-static inline __mmask16 first_lanes(int n) {  // lanes [0, min(n, 16))
-    return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-}
-
 static inline void softmax_rows(float* scores, int rows, int len) {
     for (int h = 0; h < rows; ++h) {
         float* x = scores + long(h) * len;
@@ -338,6 +349,7 @@ ENTRY(decode_bf16_d64, uint16_t, 64)
 ENTRY(decode_f32_d128, float, 128)
 ENTRY(decode_bf16_d128, uint16_t, 128)
 """
+)
 
 _ENTRIES = {
     (torch.float32, 64): "decode_f32_d64",

@@ -20,12 +20,14 @@ Must not import ``pagekv.core``, ``models`` or ``server``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagekv.runner.cpu_kernel import DecodeBatch, DecodeKernel
+from pagekv.runner.prefill_kernel import PrefillBatch, PrefillKernel
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,9 @@ class PrefillChunk:
     token_start: int
     num_tokens: int
     seq_len: int  # history + new tokens after this step
-    # Only for chunks with history: int64 [ceil(seq_len / block_size)] physical blocks, and
-    # bool [num_tokens, seq_len], True where new token j may see position k.
-    block_ids: torch.Tensor | None = None
+    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]: its physical blocks
+    # Only for chunks with history: bool [num_tokens, seq_len], True where new token j may see
+    # position k (SDPA's causal mask assumes no history).
     mask: torch.Tensor | None = None
 
 
@@ -66,14 +68,14 @@ class _ChunkGroup:
 def _group_chunks(chunks: tuple[PrefillChunk, ...]) -> list[_ChunkGroup]:
     by_shape: dict[tuple[int, int, bool], list[PrefillChunk]] = {}
     for chunk in chunks:
-        key = (chunk.num_tokens, chunk.seq_len, chunk.block_ids is not None)
+        key = (chunk.num_tokens, chunk.seq_len, chunk.mask is not None)
         by_shape.setdefault(key, []).append(chunk)
     groups = []
     for members in by_shape.values():
         rows = torch.cat(
             [torch.arange(c.token_start, c.token_start + c.num_tokens) for c in members]
         )
-        history = [c.block_ids for c in members if c.block_ids is not None]
+        history = [c.block_ids for c in members if c.mask is not None]
         groups.append(_ChunkGroup(tuple(members), rows, torch.cat(history) if history else None))
     return groups
 
@@ -82,11 +84,21 @@ class FastAttention:
     """One step's attention over the paged cache, for every layer: layout, scale and kernel
     are fixed for the step, the layer's q/k/v and caches change."""
 
-    def __init__(self, layout: StepLayout, scale: float, kernel: DecodeKernel | None) -> None:
+    def __init__(
+        self,
+        layout: StepLayout,
+        scale: float,
+        kernel: DecodeKernel | None,
+        prefill_kernel: PrefillKernel | None = None,
+    ) -> None:
         self.layout = layout
         self.scale = scale
         self.kernel = kernel
-        self._groups = _group_chunks(layout.prefill)  # once per step, not per layer
+        self.prefill_kernel = prefill_kernel
+
+    @functools.cached_property
+    def _groups(self) -> list[_ChunkGroup]:  # once per step, not per layer; only for SDPA
+        return _group_chunks(self.layout.prefill)
 
     def __call__(
         self,
@@ -113,6 +125,8 @@ class FastAttention:
                 out[:nd] = decode_attention_torch(
                     q[:nd], k_cache, v_cache, self.layout.decode, self.scale
                 )
+        if not self.layout.prefill or self._prefill_by_kernel(q, caches, out):
+            return out
         for group in self._groups:
             if len(group.chunks) == 1:
                 chunk = group.chunks[0]
@@ -121,6 +135,26 @@ class FastAttention:
             else:
                 out[group.rows] = _prefill_group(q, k, v, caches, group, self.scale)
         return out
+
+    def _prefill_by_kernel(
+        self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor
+    ) -> bool:
+        """All prefill rows of ``out`` by the prefill kernel, if it takes this step (bf16)."""
+        kernel, (k_cache, v_cache) = self.prefill_kernel, caches
+        if kernel is None or not kernel.supports(k_cache.dtype, q.shape[-1]):
+            return False
+        batch = _kernel_batch(self.layout.prefill)
+        return kernel(q.contiguous(), k_cache, v_cache, batch, self.scale, out)
+
+
+def _kernel_batch(chunks: tuple[PrefillChunk, ...]) -> PrefillBatch:
+    """The chunks as the prefill kernel reads them."""
+    rows, start = [], 0
+    for chunk in chunks:
+        rows.append((chunk.token_start, chunk.num_tokens, chunk.seq_len, start))
+        start += len(chunk.block_ids)
+    tables = torch.cat([chunk.block_ids for chunk in chunks]).to(torch.int32)
+    return PrefillBatch(torch.tensor(rows, dtype=torch.int64), tables)
 
 
 def _prefill_chunk(
@@ -134,7 +168,7 @@ def _prefill_chunk(
     """q [L, H, D], k/v [L, KVH, D] -> [L, H, D]. Without history the chunk's own K/V are the
     whole sequence; with history, read all seq_len slots (new ones included) via the blocks."""
     mask = None
-    if chunk.block_ids is not None:
+    if chunk.mask is not None:
         k = _read_blocks(caches[0], chunk.block_ids, chunk.seq_len)  # [S, KVH, D]
         v = _read_blocks(caches[1], chunk.block_ids, chunk.seq_len)
         mask = chunk.mask

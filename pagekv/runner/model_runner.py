@@ -28,7 +28,7 @@ from pagekv.models import fused_ops
 from pagekv.models.layer_ops import TORCH_OPS
 from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
-from pagekv.runner import cpu_kernel
+from pagekv.runner import cpu_kernel, prefill_kernel
 from pagekv.runner.attention import paged_attention_reference, write_kv
 from pagekv.runner.batch import StepInputs, prepare_step, reference_metadata
 from pagekv.runner.fast_attention import FastAttention
@@ -92,6 +92,7 @@ class ModelRunner:
         self.scale = cfg.head_dim**-0.5
         self.attention = attention
         self.kernel = cpu_kernel.load() if attention is AttentionBackend.FAST else None
+        self.prefill_kernel = prefill_kernel.load() if attention is AttentionBackend.FAST else None
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
 
@@ -164,7 +165,7 @@ class ModelRunner:
                 return paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, self.scale)
 
             return reference
-        fast = FastAttention(inputs.layout, self.scale, self.kernel)
+        fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             write_kv(kv.k[layer], kv.v[layer], k, v, slots)
