@@ -1,11 +1,14 @@
 """Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
-through SDPA. Agrees with ``paged_attention_reference`` (tests/test_attention_fast.py).
+through the AMX prefill kernel (bf16) or SDPA. Agrees with ``paged_attention_reference``
+(tests/test_attention_fast.py).
 
 Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
 ``KVCache``. Why two paths: a decode row is one query over a long history, where the cost is
 reading K/V, so the kernel reads every cached row in place, once; a prefill chunk is many
-queries, where the cost is the QK^T and PV products, so SDPA's blocked GEMMs win. The
-reference instead pads every row to the longest query and the longest history of the batch.
+queries, where the cost is the QK^T and PV products, so blocked products win: in bf16 the
+prefill kernel's AMX tiles (prefill_kernel.py, all chunks in one call, K/V read through the
+blocks), otherwise SDPA's. The reference instead pads every row to the longest query and the
+longest history of the batch.
 
 Flat token order of a step (decode rows first, see ``batch.prepare_step``)::
 
@@ -14,6 +17,7 @@ Flat token order of a step (decode rows first, see ``batch.prepare_step``)::
     decode:  kernel over block tables, seq_lens          -> out[:3]
     chunk 0: no history: SDPA(q, k, v of this step, causal)
     chunk 1: history: SDPA(q, K/V of 51 slots read via its blocks, causal offset by 48)
+    bf16:    both chunks in one prefill kernel call over their blocks (offset 0 and 48)
 
 Must not import ``pagekv.core``, ``models`` or ``server``.
 """

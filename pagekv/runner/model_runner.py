@@ -49,7 +49,7 @@ PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (f
 
 
 class AttentionBackend(enum.Enum):
-    FAST = "fast"  # decode kernel over block tables + SDPA per prefill chunk (fast_attention)
+    FAST = "fast"  # decode kernel + prefill kernel (bf16) or SDPA per chunk (fast_attention)
     REFERENCE = "reference"  # paged_attention_reference: the float32 correctness oracle
 
 
