@@ -28,7 +28,7 @@ from pagekv.models import fused_ops
 from pagekv.models.layer_ops import TORCH_OPS
 from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
-from pagekv.runner import cpu_kernel, prefill_kernel
+from pagekv.runner import cpu_kernel, host_memory, prefill_kernel
 from pagekv.runner.attention import paged_attention_reference, write_kv
 from pagekv.runner.batch import StepInputs, prepare_step, reference_metadata
 from pagekv.runner.fast_attention import FastAttention
@@ -56,8 +56,9 @@ class AttentionBackend(enum.Enum):
 class ModelRunner:
     """Owner of the KV tensors and sampler state; ``execute(plan)`` runs one step.
 
-    ``num_threads`` sets torch's intra-op threads (process-wide) when given; the C decode
-    kernel follows ``torch.get_num_threads()``.
+    ``num_threads`` sets torch's intra-op threads (process-wide) when given; the C kernels
+    follow ``torch.get_num_threads()``. The C allocator is tuned for the process as well
+    (``host_memory``).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class ModelRunner:
             if num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1, got {num_threads}")
             torch.set_num_threads(num_threads)
+        host_memory.keep_freed_memory()  # process-wide too: steps reuse their activations' pages
         cfg = loaded.config
         self.model = loaded.model
         self.dtype = next(loaded.model.parameters(), torch.empty(0, dtype=torch.float32)).dtype
