@@ -17,14 +17,16 @@ glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 SHAPE = (4096, 3072)  # a float32 gate/up product of a 4,096-token prefill step: 48 MiB
 
 
-def _faults_per_allocation(rounds: int) -> float:
-    """Minor page faults per fresh tensor of SHAPE, written whole and freed, as every step
-    does with its activations. (Untuned, glibc maps a block this large afresh each time: its
-    adaptive threshold stops at 32 MiB.)"""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def _faults_per_allocation(rounds: int) -> list[int]:
+    """Minor page faults of each of ``rounds`` fresh tensors of SHAPE, written whole and
+    freed, as every step does with its activations. (Untuned, glibc maps a block this large
+    afresh each time: its adaptive threshold stops at 32 MiB.)"""
+    faults = []
     for _ in range(rounds):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         torch.ones(SHAPE)  # allocated, touched, freed
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / rounds
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return faults
 
 
 @glibc_only
@@ -33,8 +35,10 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
     assert host_memory.keep_freed_memory()
     _faults_per_allocation(5)  # the first ones grow the heap
     pages = SHAPE[0] * SHAPE[1] * 4 // resource.getpagesize()
-    # Untuned: a fresh mapping each time, one fault per page (12,288 here).
-    assert _faults_per_allocation(10) < pages / 20
+    # Untuned: a fresh mapping each time, one fault per page (12,288 here). Tuned, a block
+    # is reused; the heap may still grow once when something else took its place meanwhile.
+    faults = _faults_per_allocation(10)
+    assert sum(f < pages / 20 for f in faults) >= 8, faults
 
 
 def test_tuning_can_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,6 +44,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    done = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and done
-    return done
+    mmap_set: int = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    trim_set: int = mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return mmap_set == trim_set == 1
