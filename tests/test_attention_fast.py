@@ -286,6 +286,95 @@ def test_kernel_matches_torch_decode(
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def _decode_rows_sharing(
+    seed: int, dtype: torch.dtype, shared_blocks: int, seq_lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch]:
+    """Decode rows whose tables begin with the same ``shared_blocks`` blocks (then their own,
+    shuffled), block size 16, NaN in every slot past each row's sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    block_size, kv_heads = 16, NUM_KV_HEADS
+    own = [-(-n // block_size) - shared_blocks for n in seq_lens]
+    num_blocks = shared_blocks + sum(own) + 1
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    common, rest = order[:shared_blocks], order[shared_blocks:]
+    tables = []
+    for count in own:
+        tables.append(common + rest[:count])
+        rest = rest[count:]
+    shape = (num_blocks, block_size, kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    for table, n in zip(tables, seq_lens, strict=True):  # unwritten: the last block's tail
+        for cache in (k_cache, v_cache):
+            cache[table[-1], (n - 1) % block_size + 1 :] = float("nan")
+    width = max(len(t) for t in tables)
+    batch = DecodeBatch(
+        torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        max(seq_lens),
+        shared_blocks,
+    )
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return q, k_cache, v_cache, batch
+
+
+@pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel is optional")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_attends_from_a_start_and_reports_log_sum_exp(dtype: torch.dtype) -> None:
+    """With ``start``, the kernel attends positions [start, seq_len) only (the earlier ones
+    are NaN here) and gives each head's log-sum-exp of its scaled scores there."""
+    assert KERNEL is not None
+    q, k_cache, v_cache, batch = _decode_rows_sharing(1, dtype, 3, [49, 50, 64, 65, 130, 300])
+    start = 3 * 16
+    for cache in (k_cache, v_cache):  # the kernel must not read the shared blocks now
+        cache[batch.block_tables[0, :3].long()] = float("nan")
+    lse = torch.empty(q.shape[:2])
+    out = KERNEL(q, k_cache, v_cache, batch, SCALE, start=start, lse=lse)
+    group = NUM_HEADS // NUM_KV_HEADS
+    for b, n in enumerate(batch.seq_lens.tolist()):
+        blocks = batch.block_tables[b, : -(-n // 16)].long()
+        keys, values = (
+            c[blocks].flatten(0, 1)[start:n].float().repeat_interleave(group, 1)
+            for c in (k_cache, v_cache)
+        )  # [n - start, H, D]
+        scores = torch.einsum("hd,shd->hs", q[b].float(), keys) * SCALE
+        torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
+        expected = torch.einsum("hs,shd->hd", torch.softmax(scores, -1), values)
+        torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):  # a start that leaves a row nothing
+        KERNEL(q, k_cache, v_cache, batch, SCALE, start=49, lse=lse)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("rows", [4, 7, 64])
+def test_cascade_attention_over_a_shared_prefix(rows: int) -> None:
+    """bf16 decode rows sharing 5 blocks: the prefix through the prefill kernel once for all
+    rows, merged with each row's rest from the decode kernel, agrees with float32 attention
+    over whole sequences as closely as the decode kernel alone does, within bf16 rounding."""
+    assert PREFILL is not None and KERNEL is not None
+    seq_lens = [81 + (37 * i) % 150 for i in range(rows)]
+    q, k_cache, v_cache, batch = _decode_rows_sharing(2, torch.bfloat16, 5, seq_lens)
+    layout = StepLayout(rows, batch, ())
+    caches = (k_cache, v_cache)
+    cascade = FastAttention(layout, SCALE, KERNEL, PREFILL)(q, q[:, :3], q[:, :3], caches)
+    alone = FastAttention(layout, SCALE, KERNEL, None)(q, q[:, :3], q[:, :3], caches)
+    expected = decode_attention_torch(q, k_cache, v_cache, batch, SCALE)  # float32 inside
+    assert not torch.equal(cascade, alone)  # the cascade ran: other roundings
+    torch.testing.assert_close(cascade.float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(alone.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_shared_blocks_of_a_decode_batch() -> None:
+    """prepare_step counts the leading blocks all decode rows share, only whole blocks before
+    each row's own position."""
+    from pagekv.runner.batch import _shared_blocks
+
+    assert _shared_blocks([[4, 5, 6, 7], [4, 5, 6, 9], [4, 5, 2]], 3) == 2
+    assert _shared_blocks([[4, 5, 6, 7], [4, 5, 6, 7]], 3) == 3  # capped by the positions
+    assert _shared_blocks([[4, 5, 6]], 3) == 0  # one row: nothing to share
+    assert _shared_blocks([[1, 5], [4, 5]], 2) == 0
+
+
 def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu_kernel.load.cache_clear()
     monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "0")

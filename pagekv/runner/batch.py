@@ -54,8 +54,20 @@ def _decode_rows(
         block_tables=torch.tensor(tables, dtype=torch.int32).view(len(rows), width),
         seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
         max_seq_len=max(positions, default=-1) + 1,
+        shared_blocks=_shared_blocks(tables, min(positions, default=0) // block_size),
     )
     return ids, positions, slots, batch
+
+
+def _shared_blocks(tables: list[list[int]], limit: int) -> int:
+    """How many leading entries (at most ``limit``) all tables have in common."""
+    if len(tables) < 2:
+        return 0
+    first = tables[0]
+    for n in range(limit):
+        if any(table[n] != first[n] for table in tables):
+            return n
+    return limit
 
 
 def _prefill_chunk(

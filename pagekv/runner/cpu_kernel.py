@@ -217,7 +217,8 @@ static inline void pv_heads(int group, const float* p, long p_stride, const KV* 
 }
 
 #if defined(__AVX512F__)
-static inline void softmax_rows(float* scores, int rows, int len) {
+// lse (when given): per row, log of the sum of exp(x), for merging with another part.
+static inline void softmax_rows(float* scores, int rows, int len, float* lse) {
     for (int h = 0; h < rows; ++h) {
         float* x = scores + long(h) * len;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
@@ -234,7 +235,9 @@ static inline void softmax_rows(float* scores, int rows, int len) {
             vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
             _mm512_mask_storeu_ps(x + pos, m, e);
         }
-        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+        const float sum = _mm512_reduce_add_ps(vsum);
+        if (lse != nullptr) lse[h] = _mm512_reduce_max_ps(vmax) + std::log(sum);
+        const __m512 inv = _mm512_set1_ps(1.f / sum);
         for (int pos = 0; pos < len; pos += 16) {
             const __mmask16 m = first_lanes(len - pos);
             const __m512 e = _mm512_maskz_loadu_ps(m, x + pos);
@@ -243,7 +246,7 @@ static inline void softmax_rows(float* scores, int rows, int len) {
     }
 }
 #else
-static inline void softmax_rows(float* scores, int rows, int len) {
+static inline void softmax_rows(float* scores, int rows, int len, float* lse) {
     for (int h = 0; h < rows; ++h) {
         float* x = scores + long(h) * len;
         float m = x[0], sum = 0.f;
@@ -252,6 +255,7 @@ static inline void softmax_rows(float* scores, int rows, int len) {
             x[pos] = exp_nonpositive(x[pos] - m);
             sum += x[pos];
         }
+        if (lse != nullptr) lse[h] = m + std::log(sum);
         const float inv = 1.f / sum;
         for (int pos = 0; pos < len; ++pos) x[pos] *= inv;
     }
@@ -276,35 +280,36 @@ static inline int rows16(const KV* cache, const long* slots, int first, int seq_
     return count;
 }
 
-// One sequence, kv heads [h0, h1): scores [heads, S] in `scores`, softmax, then the weighted
-// sum of values. Each K (then V) row is read once and reused by every query head of its group
-// while in cache. `slots` (room for seq_len) gets each position's cache slot, walked from the
-// block table once: no division per row, and the K and V passes share it.
+// One sequence, kv heads [h0, h1), positions [start, seq_len): scores [heads, S - start] in
+// `scores`, softmax, then the weighted sum of values (and, if lse is given, each head's
+// log-sum-exp of its scores at lse[head]). Each K (then V) row is read once and reused by every
+// query head of its group while in cache. `slots` (room for seq_len) gets each position's cache
+// slot, walked from the block table once: no division per row, and the K and V passes share it.
 template <typename KV, int D>
 static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t* table,
-                         int seq_len, const Shape& sh, int h0, int h1, float scale,
-                         float* scores, long* slots, float* out) {
-    const int heads = (h1 - h0) * sh.group;
+                         int seq_len, int start, const Shape& sh, int h0, int h1, float scale,
+                         float* scores, long* slots, float* out, float* lse) {
+    const int heads = (h1 - h0) * sh.group, len = seq_len - start;
     const long stride = sh.token_stride;
     for (int pos = 0, b = 0; pos < seq_len; ++b) {
         const long base = long(table[b]) * sh.block_size;
         for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
     }
     const KV* rows[16];
-    for (int first = 0; first < seq_len; first += 16)  // 16 positions at a time
+    for (int first = start; first < seq_len; first += 16)  // 16 positions at a time
         for (int kvh = h0; kvh < h1; ++kvh) {
             const int count = rows16<KV, D>(kc, slots, first, seq_len, stride, kvh, rows);
             scores16<D>(q + long(kvh) * sh.group * D, rows, count, sh.group, scale,
-                        scores + long(kvh - h0) * sh.group * seq_len + first, seq_len);
+                        scores + long(kvh - h0) * sh.group * len + (first - start), len);
         }
-    softmax_rows(scores, heads, seq_len);
+    softmax_rows(scores, heads, len, lse == nullptr ? nullptr : lse + long(h0) * sh.group);
     float* acc = out + long(h0) * sh.group * D;  // [heads, D]: these heads' output rows
     std::memset(acc, 0, sizeof(float) * heads * D);
-    for (int first = 0; first < seq_len; first += 16)
+    for (int first = start; first < seq_len; first += 16)
         for (int kvh = h0; kvh < h1; ++kvh) {
             const int count = rows16<KV, D>(vc, slots, first, seq_len, stride, kvh, rows);
             const int h = (kvh - h0) * sh.group;
-            pv_heads<D>(sh.group, scores + long(h) * seq_len + first, seq_len, rows, count,
+            pv_heads<D>(sh.group, scores + long(h) * len + (first - start), len, rows, count,
                         acc + long(h) * D);
         }
 }
@@ -313,7 +318,7 @@ template <typename KV, int D>
 static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* tables,
                    const int32_t* seq_lens, float* out, int num_seqs, int table_stride,
                    int num_heads, int kv_heads, int block_size, int max_seq_len, float scale,
-                   int num_threads) {
+                   int num_threads, int start, float* lse) {
     const Shape sh{num_heads, kv_heads, num_heads / kv_heads, block_size, long(kv_heads) * D};
     // Whole sequences per task stream each block contiguously; with fewer sequences than
     // threads, split by kv head so every thread has work.
@@ -327,22 +332,26 @@ static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* table
             const int b = int(task / split), part = int(task % split);
             const int h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
             one_sequence<KV, D>(q + long(b) * num_heads * D, kc, vc,
-                                tables + long(b) * table_stride, seq_lens[b], sh, h0, h1,
-                                scale, scores, slots, out + long(b) * num_heads * D);
+                                tables + long(b) * table_stride, seq_lens[b], start, sh, h0,
+                                h1, scale, scores, slots, out + long(b) * num_heads * D,
+                                lse == nullptr ? nullptr : lse + long(b) * num_heads);
         }
         std::free(slots);
         std::free(scores);
     }
 }
 
+// start: the first position each row attends (0: all of it); lse: null, or float32
+// [num_seqs, num_heads] for each head's log-sum-exp over those positions.
 #define ENTRY(NAME, KV, D)                                                                   \
     extern "C" void NAME(const void* q, const void* kc, const void* vc,                      \
                          const int32_t* tables, const int32_t* seq_lens, float* out,         \
                          int num_seqs, int table_stride, int num_heads, int kv_heads,        \
-                         int block_size, int max_seq_len, float scale, int num_threads) {    \
+                         int block_size, int max_seq_len, float scale, int num_threads,      \
+                         int start, float* lse) {                                            \
         decode<KV, D>((const KV*)q, (const KV*)kc, (const KV*)vc, tables, seq_lens, out,     \
                       num_seqs, table_stride, num_heads, kv_heads, block_size, max_seq_len,  \
-                      scale, num_threads);                                                   \
+                      scale, num_threads, start, lse);                                       \
     }
 ENTRY(decode_f32_d64, float, 64)
 ENTRY(decode_bf16_d64, uint16_t, 64)
@@ -366,6 +375,9 @@ class DecodeBatch:
     block_tables: torch.Tensor  # int32 [B, max_blocks], contiguous; padding is never read
     seq_lens: torch.Tensor  # int32 [B], history length including this step's token
     max_seq_len: int  # max(seq_lens), as a python int so the call needs no sync
+    # Leading blocks every row has in its table (the same physical blocks: a shared prompt),
+    # all before each row's own last position; 0 when none or fewer than 2 rows.
+    shared_blocks: int = 0
 
 
 class DecodeKernel:
@@ -376,9 +388,8 @@ class DecodeKernel:
         for key, name in _ENTRIES.items():
             fn = getattr(library, name)
             fn.restype = None
-            fn.argtypes = (
-                [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int]
-            )
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+            fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # threads, start, lse
             self._functions[key] = fn
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -391,12 +402,16 @@ class DecodeKernel:
         v_cache: torch.Tensor,
         batch: DecodeBatch,
         scale: float,
+        start: int = 0,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, H, D] and caches [num_blocks, block_size, KVH, D], all float32 or all
         bfloat16 (the model's dtype, so no conversion) -> float32 [B, H, D].
 
-        All contiguous on CPU; only positions < seq_len are read. Scores, softmax and the sum
-        of values are float32 whatever the input dtype.
+        All contiguous on CPU; only positions [start, seq_len) are read (start below every
+        seq_len). Scores, softmax and the sum of values are float32 whatever the input dtype.
+        ``lse`` (float32 [B, H]), if given, receives each head's log-sum-exp of its scaled
+        scores, to merge this part with attention over positions [0, start).
         """
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
@@ -410,6 +425,9 @@ class DecodeKernel:
             and tables.shape[0] == seq_lens.shape[0] == num_seqs
             and v_cache.shape == k_cache.shape
             and v_cache.dtype == k_cache.dtype
+            and (lse is None or (lse.dtype == torch.float32 and lse.shape == q.shape[:2]))
+            and (lse is None or lse.is_contiguous())
+            and (start == 0 or 0 < start < int(seq_lens.min()))
         ):
             raise ValueError("decode kernel: wrong dtype, shape or layout of its inputs")
         out = torch.empty(q.shape, dtype=torch.float32)  # [B, H, D]
@@ -429,6 +447,8 @@ class DecodeKernel:
             batch.max_seq_len,
             scale,
             torch.get_num_threads(),
+            start,
+            None if lse is None else lse.data_ptr(),
         )
         return out
 

@@ -34,6 +34,11 @@ from pagekv.runner.cpu_kernel import DecodeBatch, DecodeKernel
 from pagekv.runner.prefill_kernel import PrefillBatch, PrefillKernel
 
 
+# Decode rows below this go through the decode kernel alone even when they share a prefix:
+# the tiles take 16 (row, query head) pairs at a time, and packing the prefix is not free.
+CASCADE_MIN_ROWS = 4
+
+
 @dataclass(frozen=True)
 class PrefillChunk:
     """One request's new tokens when it has more than one: flat tokens [start, start + len)."""
@@ -124,7 +129,7 @@ class FastAttention:
             kernel = self.kernel
             if kernel is not None and kernel.supports(k_cache.dtype, q.shape[-1]):
                 q_decode = q[:nd].to(k_cache.dtype).contiguous()  # [nd, H, D], no copy if same
-                out[:nd] = kernel(q_decode, k_cache, v_cache, self.layout.decode, self.scale)
+                out[:nd] = self._decode_by_kernels(kernel, q_decode, k_cache, v_cache)
             else:
                 out[:nd] = decode_attention_torch(
                     q[:nd], k_cache, v_cache, self.layout.decode, self.scale
@@ -139,6 +144,28 @@ class FastAttention:
             else:
                 out[group.rows] = _prefill_group(q, k, v, caches, group, self.scale)
         return out
+
+    def _decode_by_kernels(
+        self, kernel: DecodeKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode rows, float32 [nd, H, D]. In bf16, when the rows share a prefix (a system
+        prompt, n samples of one prompt), cascade attention: the prefill kernel attends the
+        prefix once for all rows on AMX tiles, the decode kernel each row's own rest, and the
+        two parts are merged by their log-sum-exp. Otherwise the decode kernel alone."""
+        batch, prefill = self.layout.decode, self.prefill_kernel
+        prefix = batch.shared_blocks * k_cache.shape[1]
+        if (
+            prefix
+            and q.shape[0] >= CASCADE_MIN_ROWS
+            and prefill is not None
+            and prefill.supports(k_cache.dtype, q.shape[-1])
+        ):
+            lse = torch.empty(q.shape[:2], dtype=torch.float32)
+            out = kernel(q, k_cache, v_cache, batch, self.scale, start=prefix, lse=lse)
+            table = batch.block_tables[0, : batch.shared_blocks]
+            if prefill.shared_prefix(q, k_cache, v_cache, table, prefix, self.scale, out, lse):
+                return out
+        return kernel(q, k_cache, v_cache, batch, self.scale)
 
     def _prefill_by_kernel(
         self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor

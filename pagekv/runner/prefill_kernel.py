@@ -46,46 +46,104 @@ _SOURCE = (
     + EXP_SOURCE
     + native.AMX_SOURCE
     + r"""
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 static const int D = 64;          // head dim: two 32-wide halves of a query tile
 static const int KEY_TILE = 16;   // keys per score tile (its columns)
 static const int PAD = 64;        // keys are packed to a multiple of this (4 score tiles)
 
 struct Chunk { int64_t q_start, num_tokens, seq_len, table_offset; };
 
+// 16 x 16 transpose of 32-bit lanes: row j of the result is lane j of r[0..15].
+static inline void transpose16x16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // 128-bit lane L of r[i + m]: lane 4L + m of rows i..i+3
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {  // gather the four 128-bit lanes L of rows 0-3, ..., 12-15
+        t[m] = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x88);        // L0, L2 of rows 0-7
+        t[4 + m] = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xDD);    // L1, L3
+        t[8 + m] = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x88);
+        t[12 + m] = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xDD);
+    }
+    for (int m = 0; m < 4; ++m) {
+        r[m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0x88);            // lane 0 + m
+        r[8 + m] = _mm512_shuffle_i32x4(t[m], t[8 + m], 0xDD);        // lane 8 + m
+        r[4 + m] = _mm512_shuffle_i32x4(t[4 + m], t[12 + m], 0x88);   // lane 4 + m
+        r[12 + m] = _mm512_shuffle_i32x4(t[4 + m], t[12 + m], 0xDD);  // lane 12 + m
+    }
+}
+
 // Keys of kv head h as score-tile operands: tile (block kb, half dh) holds, in row r, the
 // pairs (d = 32 dh + 2r, +1) of keys 16 kb .. 16 kb + 15: [S/16][2][16 rows][16 keys x 2].
 // Values as P.V operands: tile (pair block kp, quarter c) holds in row r keys 32 kp + 2r, +1
 // of columns 16 c .. 16 c + 15, interleaved: [S/32][4][16 rows][16 cols x 2]. Positions past
-// the sequence are zeros.
+// the sequence are zeros. 32 positions at a time: a key tile is a transpose of 16 rows' pairs,
+// a value row two rows' columns interleaved.
 static void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table, int seq_len,
                     int padded, int block_size, long token_stride, int h, uint16_t* kp,
                     uint16_t* vp) {
-    const uint16_t zeros[D] = {};
-    uint32_t* k32 = (uint32_t*)kp;
-    for (int t = 0; t < padded; ++t) {
-        const long slot = long(table[t / block_size]) * block_size + t % block_size;
-        const bool real = t < seq_len;
-        const uint16_t* k = real ? kc + slot * token_stride + long(h) * D : zeros;
-        const uint16_t* v = real ? vc + slot * token_stride + long(h) * D : zeros;
-        uint32_t pairs[D / 2];
-        std::memcpy(pairs, k, sizeof(pairs));
-        uint32_t* kt = k32 + long(t / KEY_TILE) * 512 + t % KEY_TILE;
-        for (int p = 0; p < D / 2; ++p) kt[(p / 16) * 256 + (p % 16) * 16] = pairs[p];
-        uint16_t* vt = vp + long(t / 32) * 2048 + ((t % 32) / 2) * 32 + t % 2;
-        for (int d = 0; d < D; ++d) vt[(d / 16) * 512 + (d % 16) * 2] = v[d];
+    alignas(64) static const uint16_t zeros[D] = {};
+    __m512i even_lo, even_hi;  // permutex2var indices: a[i], b[i] for i in [0, 16) / [16, 32)
+    {
+        alignas(64) uint16_t lo[32], hi[32];
+        for (int i = 0; i < 16; ++i) {
+            lo[2 * i] = uint16_t(i), lo[2 * i + 1] = uint16_t(32 + i);
+            hi[2 * i] = uint16_t(16 + i), hi[2 * i + 1] = uint16_t(48 + i);
+        }
+        even_lo = _mm512_load_si512(lo);
+        even_hi = _mm512_load_si512(hi);
+    }
+    const uint16_t* krow[32];
+    const uint16_t* vrow[32];
+    for (int first = 0; first < padded; first += 32) {
+        for (int i = 0; i < 32; ++i) {
+            const int t = first + i;
+            krow[i] = vrow[i] = zeros;
+            if (t < seq_len) {  // (the table has no entry past the sequence)
+                const long slot = long(table[t / block_size]) * block_size + t % block_size;
+                krow[i] = kc + slot * token_stride + long(h) * D;
+                vrow[i] = vc + slot * token_stride + long(h) * D;
+            }
+        }
+        for (int half = 0; half < 2; ++half)  // keys first .. +15, then +16 .. +31
+            for (int dh = 0; dh < 2; ++dh) {
+                __m512i r[16];
+                for (int c = 0; c < 16; ++c)
+                    r[c] = _mm512_loadu_si512(krow[16 * half + c] + 32 * dh);
+                transpose16x16(r);
+                uint16_t* tile = kp + long(first / 16 + half) * 1024 + dh * 512;
+                for (int row = 0; row < 16; ++row) _mm512_storeu_si512(tile + row * 32, r[row]);
+            }
+        uint16_t* tiles = vp + long(first / 32) * 2048;
+        for (int row = 0; row < 16; ++row) {
+            const uint16_t* a = vrow[2 * row];
+            const uint16_t* b = vrow[2 * row + 1];
+            for (int dh = 0; dh < 2; ++dh) {  // columns 32 dh .. 32 dh + 31: quarters 2dh, +1
+                const __m512i va = _mm512_loadu_si512(a + 32 * dh);
+                const __m512i vb = _mm512_loadu_si512(b + 32 * dh);
+                _mm512_storeu_si512(tiles + (2 * dh) * 512 + row * 32,
+                                    _mm512_permutex2var_epi16(va, even_lo, vb));
+                _mm512_storeu_si512(tiles + (2 * dh + 1) * 512 + row * 32,
+                                    _mm512_permutex2var_epi16(va, even_hi, vb));
+            }
+        }
     }
 }
 
-// One query head and block of up to 16 queries of a chunk; kp/vp: its kv head, packed.
-static void attend_block(const uint16_t* q, uint16_t* out, long row_stride, int rows,
-                         int first_visible, const uint16_t* kp, const uint16_t* vp,
-                         float scale, float* scores, uint16_t* probs, int width) {
-    alignas(64) uint16_t qbuf[16 * D];
-    std::memset(qbuf, 0, sizeof(qbuf));
-    for (int r = 0; r < rows; ++r) std::memcpy(qbuf + r * D, q + r * row_stride, D * 2);
-    // keys [0, visible(r)) for row r, visible(r) = first_visible + r
-    const int keys = first_visible + rows - 1;
+// Attention of up to 16 query rows (qbuf: 16 x D bf16, zero past `rows`) over packed keys:
+// row r sees keys [0, visible0 + r * causal). Leaves in acc the row's sum of p * v over its
+// keys with p = exp(scale * s - tops[r]) rounded to bf16, and in sums[r] the float32 total of p.
+static void attend_rows(const uint16_t* qbuf, int rows, int visible0, int causal,
+                        const uint16_t* kp, const uint16_t* vp, float scale, float* scores,
+                        uint16_t* probs, int width, float (*acc)[D], float* tops, float* sums) {
+    const int keys = visible0 + (rows - 1) * causal;  // the most any row sees
     _tile_loadd(4, qbuf, D * 2);
     _tile_loadd(5, qbuf + 32, D * 2);
     for (int kb = 0; kb * KEY_TILE < keys; kb += 4) {
@@ -106,19 +164,19 @@ static void attend_block(const uint16_t* q, uint16_t* out, long row_stride, int 
         _tile_stored(3, s + 48, width * 4);
     }
     const int pairs = (keys + 31) / 32;  // 32-key blocks of P.V
-    alignas(64) float sums[16];
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int r = 0; r < 16; ++r) {
         float* x = scores + long(r) * width;
         uint16_t* p = probs + long(r) * width;
-        const int visible = r < rows ? first_visible + r : 0;
+        const int visible = r < rows ? visible0 + r * causal : 0;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int k = 0; k < visible; k += 16) {
             const __mmask16 m = first_lanes(visible - k);
             vmax = _mm512_mask_max_ps(vmax, m, vmax,
                                       _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale));
         }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        tops[r] = _mm512_reduce_max_ps(vmax);
+        const __m512 top = _mm512_set1_ps(tops[r]);
         __m512 vsum = _mm512_setzero_ps();
         for (int k = 0; k < pairs * 32; k += 16) {
             const __mmask16 m = k < visible ? first_lanes(visible - k) : __mmask16(0);
@@ -139,11 +197,24 @@ static void attend_block(const uint16_t* q, uint16_t* out, long row_stride, int 
         _tile_loadd(6, t + 1024, 64); _tile_dpbf16ps(2, 4, 6);
         _tile_loadd(7, t + 1536, 64); _tile_dpbf16ps(3, 4, 7);
     }
-    alignas(64) float acc[16][D];
     _tile_stored(0, acc[0], D * 4);
     _tile_stored(1, acc[0] + 16, D * 4);
     _tile_stored(2, acc[0] + 32, D * 4);
     _tile_stored(3, acc[0] + 48, D * 4);
+}
+
+// One query head and block of up to 16 queries of a chunk (rows of q at row_stride); the
+// first sees `first_visible` keys, each next one more. Writes the bf16 outputs.
+static void attend_block(const uint16_t* q, uint16_t* out, long row_stride, int rows,
+                         int first_visible, const uint16_t* kp, const uint16_t* vp,
+                         float scale, float* scores, uint16_t* probs, int width) {
+    alignas(64) uint16_t qbuf[16 * D];
+    std::memset(qbuf, 0, sizeof(qbuf));
+    for (int r = 0; r < rows; ++r) std::memcpy(qbuf + r * D, q + r * row_stride, D * 2);
+    alignas(64) float acc[16][D];
+    float tops[16], sums[16];
+    attend_rows(qbuf, rows, first_visible, 1, kp, vp, scale, scores, probs, width, acc, tops,
+                sums);
     for (int r = 0; r < rows; ++r) {
         const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
         for (int c = 0; c < D; c += 16)
@@ -211,9 +282,78 @@ extern "C" int prefill_attention_bf16_d64(const void* q, const void* kc, const v
     }
     return 0;
 }
+// Decode rows whose sequences begin with the same `prefix_len` positions (the same blocks,
+// `table`): each row's attention over that prefix, merged into `out` (float32 [B, H, D]) and
+// `lse` ([B, H]), which hold its attention over the rest of its sequence (normalized) and that
+// part's log-sum-exp. Per kv head the prefix is packed once and every row of every sequence
+// that reads it goes through the tiles: 16 (sequence, query head) rows at a time, where the
+// decode kernel would read the prefix once per sequence.
+extern "C" int shared_prefix_attention_bf16_d64(const void* q, const void* kc, const void* vc,
+                                                const int32_t* table, int prefix_len,
+                                                int num_seqs, int num_heads, int kv_heads,
+                                                int block_size, float scale, float* out,
+                                                const float* lse, int threads) {
+    if (!amx_permitted() || num_heads % kv_heads != 0 || prefix_len < 1) return -1;
+    const int group = num_heads / kv_heads;
+    const int padded = (prefix_len + PAD - 1) / PAD * PAD;
+    const long per_head = long(padded) * D * 2, rows_per_head = long(num_seqs) * group;
+    const long blocks_per_head = (rows_per_head + 15) / 16;
+    if (long(packed.size()) < per_head * kv_heads) packed.resize(per_head * kv_heads);
+    uint16_t* tiles = packed.data();
+    const uint16_t* qs = (const uint16_t*)q;
+    #pragma omp parallel num_threads(threads)
+    {
+        configure_tiles();
+        #pragma omp for
+        for (int h = 0; h < kv_heads; ++h)
+            pack_kv((const uint16_t*)kc, (const uint16_t*)vc, table, prefix_len, padded,
+                    block_size, long(kv_heads) * D, h, tiles + h * per_head,
+                    tiles + h * per_head + long(padded) * D);
+        std::vector<float> scores(16L * padded);
+        std::vector<uint16_t> probs(16L * padded);
+        #pragma omp for schedule(dynamic)
+        for (long item = 0; item < kv_heads * blocks_per_head; ++item) {
+            const int h = int(item / blocks_per_head);
+            const long first = (item % blocks_per_head) * 16;
+            const int rows = int(rows_per_head - first < 16 ? rows_per_head - first : 16);
+            alignas(64) uint16_t qbuf[16 * D] = {};
+            long index[16];  // each row's (sequence, query head) in q, out and lse
+            for (int r = 0; r < rows; ++r) {
+                const long b = (first + r) / group, g = (first + r) % group;
+                index[r] = b * num_heads + long(h) * group + g;
+                std::memcpy(qbuf + r * D, qs + index[r] * D, D * 2);
+            }
+            alignas(64) float acc[16][D];
+            float tops[16], sums[16];
+            const uint16_t* kp = tiles + h * per_head;
+            attend_rows(qbuf, rows, prefix_len, 0, kp, kp + long(padded) * D, scale,
+                        scores.data(), probs.data(), padded, acc, tops, sums);
+            for (int r = 0; r < rows; ++r) {  // weigh the two parts by their sums of exp
+                float* o = out + index[r] * D;
+                const float rest = lse[index[r]];
+                const float top = tops[r] > rest ? tops[r] : rest;
+                const float here = std::exp(tops[r] - top), there = std::exp(rest - top);
+                const __m512 a = _mm512_set1_ps(here / (sums[r] * here + there));
+                const __m512 b = _mm512_set1_ps(there / (sums[r] * here + there));
+                for (int c = 0; c < D; c += 16)
+                    _mm512_storeu_ps(o + c, _mm512_add_ps(
+                        _mm512_mul_ps(_mm512_load_ps(acc[r] + c), a),
+                        _mm512_mul_ps(_mm512_loadu_ps(o + c), b)));
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
 extern "C" int prefill_kernel_available() { return amx_permitted(); }
 #else
 extern "C" int prefill_kernel_available() { return 0; }
+extern "C" int shared_prefix_attention_bf16_d64(const void*, const void*, const void*,
+                                                const int32_t*, int, int, int, int, int, float,
+                                                float*, const float*, int) {
+    return -1;
+}
 extern "C" int prefill_attention_bf16_d64(const void*, const void*, const void*, void*,
                                           const int64_t*, int, const int32_t*, int, int, int,
                                           float, int) {
@@ -244,6 +384,12 @@ class PrefillKernel:
         # q, k_cache, v_cache, out, chunks, #chunks, tables, heads, kv heads, block size, scale,
         # threads
         self._fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, ptr, i32, i32, i32, ctypes.c_float, i32]
+        self._shared = library.shared_prefix_attention_bf16_d64
+        self._shared.restype = ctypes.c_int
+        # q, k_cache, v_cache, table, prefix length, sequences, heads, kv heads, block size,
+        # scale, out, lse, threads
+        self._shared.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float]
+        self._shared.argtypes += [ptr, ptr, i32]
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
         return self.available and dtype == torch.bfloat16 and head_dim == 64
@@ -285,6 +431,53 @@ class PrefillKernel:
             num_kv_heads,
             block_size,
             scale,
+            torch.get_num_threads(),
+        )
+        return bool(status == 0)
+
+    def shared_prefix(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        table: torch.Tensor,
+        prefix_len: int,
+        scale: float,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> bool:
+        """Decode rows q [B, H, D] whose sequences all begin with the blocks ``table`` (int32,
+        covering ``prefix_len`` positions): their attention over that prefix, merged into
+        ``out`` (float32 [B, H, D]) and ``lse`` ([B, H]), which hold their attention over the
+        rest of their sequences and its log-sum-exp (``DecodeKernel`` with ``start``). False
+        (nothing changed) where the C side declines: no AMX."""
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if not (
+            q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and head_dim == 64
+            and v_cache.shape == k_cache.shape
+            and out.dtype == lse.dtype == torch.float32
+            and out.shape == q.shape
+            and lse.shape == q.shape[:2]
+            and table.dtype == torch.int32
+            and 0 < prefix_len <= len(table) * block_size
+            and all(t.is_contiguous() for t in (q, k_cache, v_cache, table, out, lse))
+        ):
+            raise ValueError("shared prefix attention: wrong dtype, shape or layout of inputs")
+        status = self._shared(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            table.data_ptr(),
+            prefix_len,
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            block_size,
+            scale,
+            out.data_ptr(),
+            lse.data_ptr(),
             torch.get_num_threads(),
         )
         return bool(status == 0)
