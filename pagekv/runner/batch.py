@@ -60,7 +60,8 @@ def _decode_rows(
 
 
 def _shared_blocks(tables: list[list[int]], limit: int) -> int:
-    """How many leading entries (at most ``limit``) all tables have in common."""
+    """How many leading entries (at most ``limit``) all tables have in common: blocks of a
+    prefix the decode rows share (``DecodeBatch.shared_blocks``)."""
     if len(tables) < 2:
         return 0
     first = tables[0]

@@ -108,6 +108,10 @@ class FastAttention:
     def _groups(self) -> list[_ChunkGroup]:  # once per step, not per layer; only for SDPA
         return _group_chunks(self.layout.prefill)
 
+    @functools.cached_property
+    def _prefill_batch(self) -> PrefillBatch:  # once per step; only for the prefill kernel
+        return _kernel_batch(self.layout.prefill)
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -171,10 +175,13 @@ class FastAttention:
     ) -> bool:
         """All prefill rows of ``out`` by the prefill kernel, if it takes this step (bf16)."""
         kernel, (k_cache, v_cache) = self.prefill_kernel, caches
-        if kernel is None or not kernel.supports(k_cache.dtype, q.shape[-1]):
+        if (
+            kernel is None
+            or not kernel.supports(k_cache.dtype, q.shape[-1])
+            or not out.is_contiguous()
+        ):
             return False
-        batch = _kernel_batch(self.layout.prefill)
-        return kernel(q.contiguous(), k_cache, v_cache, batch, self.scale, out)
+        return kernel(q.contiguous(), k_cache, v_cache, self._prefill_batch, self.scale, out)
 
 
 def _kernel_batch(chunks: tuple[PrefillChunk, ...]) -> PrefillBatch:

@@ -1,19 +1,25 @@
-"""A C++ kernel for the prefill chunks of a step in bfloat16, on AMX tiles: causal attention of
-every chunk's new tokens over its sequence, K/V read from the paged cache through the chunk's
-block table. One call per layer for all chunks of the step.
+"""A C++ kernel for bfloat16 attention on AMX tiles where many queries read the same keys:
 
-Why not SDPA: torch's CPU flash kernel runs these shapes (a few hundred tokens, 9 query heads
+- the prefill chunks of a step: causal attention of every chunk's new tokens over its
+  sequence, K/V read from the paged cache through the chunk's block table, one call per layer
+  for all chunks;
+- decode rows that share a prefix (cascade attention): the shared blocks attended once for all
+  rows, merged with each row's own rest, which the decode kernel attends, by log-sum-exp.
+
+Why not SDPA: torch's CPU flash kernel runs prefill shapes (a few hundred tokens, 9 query heads
 over 3 kv heads, head dim 64) at 40-150 GFLOPS, a third of a prefill step's time on the
-``random`` workload; the AMX unit multiplies bf16 tiles several times faster. Per chunk and kv
-head the keys and values are packed once into the tiles AMX reads; then per query head and
-block of 16 queries: the scores against every key it may see (one row of tiles), softmax in
-float32 (the decode kernel's exp), the probabilities rounded to bf16 as SDPA does, times the
+``random`` workload; the AMX unit multiplies bf16 tiles several times faster. Per chunk (or
+prefix) and kv head the keys and values are packed once into the tiles AMX reads; then per
+block of 16 query rows: the scores against every key a row may see (one row of tiles), softmax
+in float32 (the decode kernel's exp), the probabilities rounded to bf16 as SDPA does, times the
 values, and a division by the row's sum at the end. Nothing is masked by a tensor: query j of a
 chunk of L new tokens over S positions sees keys [0, S - L + j].
 
-A row's numbers depend only on its own chunk (its query block's extra keys get probability 0,
-which adds exact zeros), so they are the same whatever else the step holds; they differ from
-SDPA's within bf16 rounding (another order of sums).
+A prefill row's numbers depend only on its own chunk (its query block's extra keys get
+probability 0, which adds exact zeros), so they are the same whatever else the step holds;
+they differ from SDPA's within bf16 rounding (another order of sums). A cascade row's depend on
+how much of its prefix the batch shares (the split point), within bf16 rounding; float32 never
+comes here.
 
 ``load()`` returns None (callers keep SDPA) without AMX, a compiler, or with
 ``PAGEKV_PREFILL_KERNEL=0``. Must not import ``pagekv.core``, ``models`` or ``server``.
@@ -282,6 +288,7 @@ extern "C" int prefill_attention_bf16_d64(const void* q, const void* kc, const v
     }
     return 0;
 }
+
 // Decode rows whose sequences begin with the same `prefix_len` positions (the same blocks,
 // `table`): each row's attention over that prefix, merged into `out` (float32 [B, H, D]) and
 // `lse` ([B, H]), which hold its attention over the rest of its sequence (normalized) and that
