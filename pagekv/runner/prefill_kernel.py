@@ -46,7 +46,6 @@ _SOURCE = (
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#include <immintrin.h>
 #include <omp.h>
 """
     + EXP_SOURCE
@@ -422,6 +421,8 @@ class PrefillKernel:
             and out.shape == q.shape
             and all(t.is_contiguous() for t in (q, k_cache, v_cache, out, batch.chunks))
             and batch.chunks.dtype == torch.int64
+            and batch.chunks.dim() == 2
+            and batch.chunks.shape[1] == 4
             and batch.tables.dtype == torch.int32
             and batch.tables.is_contiguous()
         ):
