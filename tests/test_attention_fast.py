@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -239,15 +240,6 @@ def test_prefill_kernel_rows_do_not_depend_on_the_step() -> None:
         torch.testing.assert_close(alone, together[rows], atol=0, rtol=0)
 
 
-def test_prefill_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    prefill_kernel.load.cache_clear()
-    monkeypatch.setenv(prefill_kernel.DISABLE_ENV, "0")
-    try:
-        assert prefill_kernel.load() is None
-    finally:
-        prefill_kernel.load.cache_clear()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
@@ -369,19 +361,24 @@ def test_shared_blocks_of_a_decode_batch() -> None:
     each row's own position."""
     from pagekv.runner.batch import _shared_blocks
 
-    assert _shared_blocks([[4, 5, 6, 7], [4, 5, 6, 9], [4, 5, 2]], 3) == 2
-    assert _shared_blocks([[4, 5, 6, 7], [4, 5, 6, 7]], 3) == 3  # capped by the positions
-    assert _shared_blocks([[4, 5, 6]], 3) == 0  # one row: nothing to share
-    assert _shared_blocks([[1, 5], [4, 5]], 2) == 0
+    def shared(tables: list[list[int]], limit: int) -> int:
+        return _shared_blocks(torch.tensor(tables, dtype=torch.int32), limit)
+
+    assert shared([[4, 5, 6, 7], [4, 5, 6, 9], [4, 5, 2, 0]], 3) == 2
+    assert shared([[4, 5, 6, 7], [4, 5, 6, 7]], 3) == 3  # capped by the positions
+    assert shared([[4, 5, 6]], 3) == 0  # one row: nothing to share
+    assert shared([[1, 5], [4, 5]], 2) == 0
+    assert shared([[1, 5], [1, 5]], 0) == 0
 
 
-def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu_kernel.load.cache_clear()
-    monkeypatch.setenv(cpu_kernel.DISABLE_ENV, "0")
+@pytest.mark.parametrize("module", [cpu_kernel, prefill_kernel], ids=["decode", "prefill"])
+def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch, module: Any) -> None:
+    module.load.cache_clear()
+    monkeypatch.setenv(module.DISABLE_ENV, "0")
     try:
-        assert cpu_kernel.load() is None
+        assert module.load() is None
     finally:
-        cpu_kernel.load.cache_clear()
+        module.load.cache_clear()
 
 
 def test_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

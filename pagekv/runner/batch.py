@@ -50,25 +50,24 @@ def _decode_rows(
     num_blocks = [p // block_size + 1 for p in positions]
     width = max(num_blocks, default=0)
     tables = [s.block_table[:n] + [0] * (width - n) for s, n in zip(rows, num_blocks, strict=True)]
+    block_tables = torch.tensor(tables, dtype=torch.int32).view(len(rows), width)
     batch = DecodeBatch(
-        block_tables=torch.tensor(tables, dtype=torch.int32).view(len(rows), width),
+        block_tables=block_tables,
         seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
         max_seq_len=max(positions, default=-1) + 1,
-        shared_blocks=_shared_blocks(tables, min(positions, default=0) // block_size),
+        shared_blocks=_shared_blocks(block_tables, min(positions, default=0) // block_size),
     )
     return ids, positions, slots, batch
 
 
-def _shared_blocks(tables: list[list[int]], limit: int) -> int:
-    """How many leading entries (at most ``limit``) all tables have in common: blocks of a
-    prefix the decode rows share (``DecodeBatch.shared_blocks``)."""
-    if len(tables) < 2:
+def _shared_blocks(block_tables: torch.Tensor, limit: int) -> int:
+    """How many leading columns (at most ``limit``) of int32 [B, width] are the same in every
+    row: blocks of a prefix the decode rows share (``DecodeBatch.shared_blocks``)."""
+    if block_tables.shape[0] < 2 or limit == 0:
         return 0
-    first = tables[0]
-    for n in range(limit):
-        if any(table[n] != first[n] for table in tables):
-            return n
-    return limit
+    lead = block_tables[:, :limit]
+    differs = (lead != lead[:1]).any(0)  # [limit]
+    return int(differs.int().argmax()) if bool(differs.any()) else limit
 
 
 def _prefill_chunk(
