@@ -1,15 +1,17 @@
-"""The allocator tuning of ``runner/host_memory.py``: freed activation-sized blocks are reused,
-not faulted in again."""
+"""``runner/host_memory.py``: freed activation-sized blocks are reused, not faulted in again;
+the KV pools sit on huge pages."""
 
 from __future__ import annotations
 
 import platform
 import resource
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagekv.runner import host_memory
+from pagekv.runner.kv_cache import KVCache
 
 glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -48,3 +50,58 @@ def test_tuning_can_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
         assert host_memory.keep_freed_memory() is False
     finally:
         host_memory.keep_freed_memory.cache_clear()
+
+
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def _thp_mode() -> str | None:
+    """The bracketed word of the kernel's transparent-huge-page setting, or None if unknown."""
+    try:
+        text = Path(THP_SETTING).read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _huge_bytes_at(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address``, in bytes."""
+    found = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            found = start <= address < end
+        elif found and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_kv_pool_memory_is_on_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
+    shape = (700, 16, 3, 64)  # 8.6 MB of bf16: a small KV pool of one layer
+    pool = host_memory.zeros(shape, torch.bfloat16)
+    assert pool.shape == shape and pool.dtype == torch.bfloat16
+    assert not pool.any()  # zeroed, as torch.zeros
+    assert pool.data_ptr() % host_memory.HUGE_PAGE_BYTES == 0
+    assert _huge_bytes_at(pool.data_ptr()) >= host_memory.HUGE_PAGE_BYTES
+    pool[3, 5] = 1.5  # an ordinary tensor otherwise
+    assert float(pool.float().sum()) == 1.5 * 3 * 64
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="only advised memory gets huge pages")
+def test_huge_pages_can_be_disabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "0")
+    pool = host_memory.zeros((700, 16, 3, 64), torch.bfloat16)
+    assert not pool.any()
+    assert _huge_bytes_at(pool.data_ptr()) == 0
+
+
+def test_kv_cache_pools_come_from_host_memory() -> None:
+    """Both pools of every layer: zeroed, their own memory, the shape the kernels read."""
+    cache = KVCache(2, 700, 16, 3, 64, torch.bfloat16)
+    tensors = cache.k + cache.v
+    assert len({t.data_ptr() for t in tensors}) == 4
+    for t in tensors:
+        assert t.shape == (700, 16, 3, 64) and t.is_contiguous() and not t.any()

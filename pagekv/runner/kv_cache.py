@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from pagekv.errors import UnknownBlockError
+from pagekv.runner import host_memory
 
 
 class KVCache:
@@ -55,12 +56,14 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]  # each [num_blocks, block_size, num_kv_heads, head_dim]
-        self.v: list[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+        self.k: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
+        # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+    def _zeros(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        if self.device.type == "cpu":  # decode reads blocks all over the pool: 2 MiB pages
+            return host_memory.zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @staticmethod
     def bytes_per_block(
