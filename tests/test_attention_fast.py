@@ -17,7 +17,7 @@ from test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, Case, _make
 from pagekv import native
 from pagekv.models.loader import LoadedModel
 from pagekv.runner import cpu_kernel, prefill_kernel
-from pagekv.runner.attention import paged_attention_reference
+from pagekv.runner.attention import paged_attention_reference, write_kv
 from pagekv.runner.cpu_kernel import DecodeBatch
 from pagekv.runner.fast_attention import (
     FastAttention,
@@ -369,6 +369,34 @@ def test_shared_blocks_of_a_decode_batch() -> None:
     assert shared([[4, 5, 6]], 3) == 0  # one row: nothing to share
     assert shared([[1, 5], [4, 5]], 2) == 0
     assert shared([[1, 5], [1, 5]], 0) == 0
+
+
+@pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel is optional")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 64, 300])
+def test_kernel_writes_kv_rows_like_torch(dtype: torch.dtype, tokens: int) -> None:
+    """The kernel's KV write puts the same bytes in the same slots as ``write_kv``; a slot out
+    of range raises before anything is written; other dtypes or layouts are declined."""
+    assert KERNEL is not None
+    gen = torch.Generator().manual_seed(tokens)
+    k_cache = torch.randn(40, 16, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(40, 16, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    slots = torch.randperm(40 * 16, generator=gen)[:tokens]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv(expected_k, expected_v, k, v, slots)
+    assert KERNEL.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    if tokens:
+        bad = slots.clone()
+        bad[-1] = 40 * 16  # one past the end
+        with pytest.raises(ValueError, match="slot"):
+            KERNEL.write_kv(k_cache, v_cache, k + 1, v + 1, bad)
+        assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not KERNEL.write_kv(k_cache, v_cache, k.double(), v.double(), slots)
+    assert not KERNEL.write_kv(k_cache, v_cache, k, v, slots.to(torch.int32))
+    assert not KERNEL.write_kv(k_cache[:, ::2], v_cache[:, ::2], k, v, slots)
 
 
 @pytest.mark.parametrize("module", [cpu_kernel, prefill_kernel], ids=["decode", "prefill"])

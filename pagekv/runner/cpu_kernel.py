@@ -3,7 +3,10 @@
 Owns the kernel's source, its flags and the ctypes call; the build and its cache are
 ``pagekv.native``'s. Why not torch ops: a decode row reads its whole history, and gathering that
 history through the block table into new tensors costs a copy of every K/V byte per layer per
-step; this kernel reads each cached K/V row in place, once.
+step; this kernel reads each cached K/V row in place, once. The same library writes a step's
+new K/V rows into their slots (``DecodeKernel.write_kv``): one call instead of two indexed
+copies, with the scattered destination rows requested ahead (0.30-0.35 s vs 0.66-0.76 s per
+`random` run, measured).
 
 ``load()`` returns None (and the caller falls back to torch ops) when there is no compiler, the
 build fails, or ``PAGEKV_CPU_KERNEL=0``. Must not import ``pagekv.core``, ``models`` or ``server``.
@@ -373,6 +376,31 @@ ENTRY(decode_f32_d64, float, 64)
 ENTRY(decode_bf16_d64, uint16_t, 64)
 ENTRY(decode_f32_d128, float, 128)
 ENTRY(decode_bf16_d128, uint16_t, 128)
+
+// This step's new K and V rows (row_bytes each, token t at slots[t]) into the caches, which
+// hold `num_slots` rows each. Every slot is checked before anything is written (returns -1 on
+// one out of range). The destination rows lie anywhere in the pool, so each is requested 8
+// rows ahead of its copy: the misses overlap instead of stalling one after another.
+extern "C" int write_rows(const char* k, const char* v, char* kc, char* vc, const int64_t* slots,
+                          long tokens, long row_bytes, long num_slots) {
+    for (long t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    const long ahead = 8;
+    for (long t = 0; t < tokens + ahead; ++t) {
+        if (t < tokens) {
+            for (long b = 0; b < row_bytes; b += 64) {
+                __builtin_prefetch(kc + slots[t] * row_bytes + b, 1);
+                __builtin_prefetch(vc + slots[t] * row_bytes + b, 1);
+            }
+        }
+        const long w = t - ahead;
+        if (w >= 0) {
+            std::memcpy(kc + slots[w] * row_bytes, k + w * row_bytes, row_bytes);
+            std::memcpy(vc + slots[w] * row_bytes, v + w * row_bytes, row_bytes);
+        }
+    }
+    return 0;
+}
 """
 )
 
@@ -407,9 +435,41 @@ class DecodeKernel:
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
             fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # threads, start, lse
             self._functions[key] = fn
+        self._write_rows = library.write_rows
+        self._write_rows.restype = ctypes.c_int
+        self._write_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
         return (dtype, head_dim) in self._functions
+
+    def write_kv(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """``attention.write_kv`` in one C call (the same bytes land in the same slots), for
+        contiguous tensors of one dtype and an int64 slot mapping; False (nothing written) for
+        anything else, so the caller uses ``attention.write_kv``. A slot out of range raises
+        ValueError before anything is written."""
+        tokens = k.shape[0]
+        if not (
+            k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and slot_mapping.dtype == torch.int64
+            and k_cache.shape == v_cache.shape
+            and k.shape == v.shape == (tokens, *k_cache.shape[2:])
+            and slot_mapping.shape == (tokens,)
+            and all(t.is_contiguous() for t in (k, v, k_cache, v_cache, slot_mapping))
+        ):
+            return False
+        row_bytes = k[0].numel() * k.element_size() if tokens else 0
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        args = (k, v, k_cache, v_cache, slot_mapping)
+        if self._write_rows(*(t.data_ptr() for t in args), tokens, row_bytes, num_slots) != 0:
+            raise ValueError(f"KV write: a slot outside the cache's {num_slots} slots")
+        return True
 
     def __call__(
         self,

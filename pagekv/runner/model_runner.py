@@ -168,10 +168,13 @@ class ModelRunner:
 
             return reference
         fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
+        kernel = self.kernel
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            write_kv(kv.k[layer], kv.v[layer], k, v, slots)
-            return fast(q, k, v, (kv.k[layer], kv.v[layer]))
+            caches = (kv.k[layer], kv.v[layer])
+            if kernel is None or not kernel.write_kv(*caches, k, v, slots):
+                write_kv(*caches, k, v, slots)
+            return fast(q, k, v, caches)
 
         return attend
 
