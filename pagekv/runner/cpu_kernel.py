@@ -464,7 +464,7 @@ class DecodeKernel:
             and all(t.is_contiguous() for t in (k, v, k_cache, v_cache, slot_mapping))
         ):
             return False
-        row_bytes = k[0].numel() * k.element_size() if tokens else 0
+        row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one slot
         num_slots = k_cache.shape[0] * k_cache.shape[1]
         args = (k, v, k_cache, v_cache, slot_mapping)
         if self._write_rows(*(t.data_ptr() for t in args), tokens, row_bytes, num_slots) != 0:
