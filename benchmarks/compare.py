@@ -76,9 +76,14 @@ VLLM_MODEL_DIR = REPO / "benchmarks" / ".venv-vllm" / "smollm2-hf"
 Runner = Callable[[], float]  # one timed pass over the workload -> elapsed seconds
 
 
-def pagekv_runner(workload: Workload, dtype: str, num_threads: int) -> Runner:
+def pagekv_runner(
+    workload: Workload, dtype: str, num_threads: int, speculative_tokens: int = 0
+) -> Runner:
     config = EngineConfig(
-        dtype=dtype, num_threads=num_threads, kv_cache_memory=BENCH_KV_CACHE_MEMORY
+        dtype=dtype,
+        num_threads=num_threads,
+        kv_cache_memory=BENCH_KV_CACHE_MEMORY,
+        num_speculative_tokens=speculative_tokens,
     )
     engine = LLMEngine(config)
     warm_up(engine)
@@ -179,7 +184,12 @@ class VllmProcess:
     ``extras``."""
 
     def __init__(
-        self, workload_name: str, dtype: str, num_threads: int, extras: list[dict[str, Any]]
+        self,
+        workload_name: str,
+        dtype: str,
+        num_threads: int,
+        extras: list[dict[str, Any]],
+        speculative_tokens: int = 0,
     ) -> None:
         self.command = [
             str(VLLM_PYTHON),
@@ -191,6 +201,8 @@ class VllmProcess:
             "--dtype",
             dtype,
             "--passes-on-stdin",
+            "--speculative-ngram",
+            str(speculative_tokens),
         ]
         self.env = vllm_env(num_threads)
         self.extras = extras
@@ -271,19 +283,29 @@ class VllmProcess:
 
 
 def vllm_runner(
-    workload_name: str, dtype: str, num_threads: int, extras: list[dict[str, Any]]
+    workload_name: str,
+    dtype: str,
+    num_threads: int,
+    extras: list[dict[str, Any]],
+    speculative_tokens: int = 0,
 ) -> VllmProcess | None:
     if not VLLM_PYTHON.exists() or not VLLM_MODEL_DIR.exists():
         print("vllm: benchmarks/.venv-vllm not set up (run benchmarks/setup_vllm_cpu.sh)")
         return None
-    return VllmProcess(workload_name, dtype, num_threads, extras)
+    return VllmProcess(workload_name, dtype, num_threads, extras, speculative_tokens)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="random")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--engines", default="pagekv,hf,vllm")
+    parser.add_argument(
+        "--engines",
+        default="pagekv,hf,vllm",
+        help="any of pagekv, hf, vllm, and pagekv-ngram, vllm-ngram: the same engines with "
+        "n-gram speculative decoding (--ngram-tokens drafts per step)",
+    )
+    parser.add_argument("--ngram-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument(
@@ -316,6 +338,11 @@ def main() -> None:
             sub_name = f"pagekv@{args.hf_limit}"
             runners[sub_name] = pagekv_runner(subset, args.dtype, args.num_threads)
             workloads[sub_name] = subset
+    if "pagekv-ngram" in engines:
+        runners["pagekv-ngram"] = pagekv_runner(
+            workload, args.dtype, args.num_threads, args.ngram_tokens
+        )
+        workloads["pagekv-ngram"] = workload
     if "hf" in engines:
         hf_name = "hf" if args.hf_limit is None else f"hf@{args.hf_limit}"
         runners[hf_name] = hf_runner(subset, args.dtype, args.hf_batch, args.hf_model)
@@ -325,6 +352,13 @@ def main() -> None:
     ):
         runners["vllm"] = vllm
         workloads["vllm"] = workload
+    if "vllm-ngram" in engines and (
+        vllm := vllm_runner(
+            args.workload, args.dtype, args.num_threads, vllm_extras, args.ngram_tokens
+        )
+    ):
+        runners["vllm-ngram"] = vllm
+        workloads["vllm-ngram"] = workload
     print(
         f"workload {workload.name}: {len(workload.requests)} requests, "
         f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens; "
@@ -350,8 +384,9 @@ def main() -> None:
                 f"(load {loads[-1]:.2f})",
                 flush=True,
             )
-    if isinstance(vllm_process := runners.get("vllm"), VllmProcess):
-        vllm_process.close()
+    for runner in runners.values():
+        if isinstance(runner, VllmProcess):
+            runner.close()
     summary = {
         name: workloads[name].num_output_tokens / statistics.median(times)
         for name, times in elapsed.items()
@@ -362,10 +397,12 @@ def main() -> None:
     for peer in summary:
         if peer.startswith("pagekv"):
             continue
-        ours = f"pagekv@{args.hf_limit}" if peer.startswith("hf@") else "pagekv"
-        if ours in summary:
-            ratios[f"{ours} / {peer}"] = summary[ours] / summary[peer]
-            print(f"{ours} / {peer} = {ratios[f'{ours} / {peer}']:.2f}x")
+        ours = [f"pagekv@{args.hf_limit}"] if peer.startswith("hf@") else ["pagekv"]
+        if peer.startswith("vllm"):
+            ours.append("pagekv-ngram")
+        for name in (n for n in ours if n in summary):
+            ratios[f"{name} / {peer}"] = summary[name] / summary[peer]
+            print(f"{name} / {peer} = {ratios[f'{name} / {peer}']:.2f}x")
     print(f"peak RSS of this process (pagekv + hf): {peak_rss_bytes() / 2**30:.2f} GiB")
     print(f"started {started}, 1-min load average per run: {[round(x, 2) for x in loads]}")
     if args.json_out:

@@ -46,6 +46,12 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--passes-on-stdin", action="store_true", help="one pass per 'run' line")
+    parser.add_argument(
+        "--speculative-ngram",
+        type=int,
+        default=0,
+        help="vLLM's n-gram (prompt lookup) speculation with this many draft tokens; 0: off",
+    )
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     workload = load_workload(args.workload)
@@ -61,6 +67,16 @@ def main() -> None:
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=2048,
         seed=0,
+        speculative_config=(
+            {
+                "method": "ngram",
+                "num_speculative_tokens": args.speculative_ngram,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 1,
+            }
+            if args.speculative_ngram
+            else None
+        ),
     )
     startup = time.perf_counter() - start
     # Warm-up and first token: one request, one token, outside the timed pass (pagekv and HF
@@ -84,6 +100,7 @@ def main() -> None:
         "startup_s": startup,
         "first_token_s": first_token_s,
         "first_token_unix": first_token_unix,
+        "speculative_ngram": args.speculative_ngram,
         "env": {k: os.environ.get(k, "") for k in ENV_KEYS},
     }
 

@@ -70,6 +70,12 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value first)
     priority_aging_steps: int = 100  # waiting requests gain a priority level per this; 0: off
     long_prefill_token_threshold: int = 0  # per-request prefill tokens per step; 0: no cap
+    # Speculative decoding by n-gram lookup in each greedy request's own tokens
+    # (core/speculation.py): up to this many draft tokens per step (0: off), found by matching
+    # the last prompt_lookup_max .. prompt_lookup_min tokens. Outputs are unchanged.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
     check_invariants: bool = False
     trace: str | None = None  # append each finished request's lengths + prefix hashes here
     kv_sanitizer: bool = False  # debug: fingerprint shared blocks, check them every step

@@ -34,7 +34,7 @@ from pagekv.models.loader import LoadedModel, load_model
 from pagekv.outputs import RequestOutput
 from pagekv.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.runner.kv_cache import KVCache
-from pagekv.runner.model_runner import ModelRunner
+from pagekv.runner.model_runner import ModelRunner, SampledToken
 from pagekv.sampling_params import SamplingParams
 from pagekv.sanitizer import KVSanitizer
 from pagekv.tier_setup import build_tiers, open_configured_store
@@ -105,6 +105,9 @@ class LLMEngine:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             cost_model=config.preemption_cost or PreemptionCostModel(),
             load_cost=load_cost,
+            num_speculative_tokens=config.num_speculative_tokens,
+            prompt_lookup_max=config.prompt_lookup_max,
+            prompt_lookup_min=config.prompt_lookup_min,
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self._groups: dict[str, RequestGroup] = {}
@@ -259,7 +262,11 @@ class LLMEngine:
         sampled = self.runner.execute(plan)
         if self.sanitizer is not None:
             self.sanitizer.after_execute(plan)
-        finished = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
+        finished = self.scheduler.update(
+            plan,
+            {rid: s.token_id for rid, s in sampled.items()},
+            {rid: s.verified for rid, s in sampled.items() if s.verified},
+        )
         done = {r.request_id for r in finished}
         changed: dict[str, RequestGroup] = {}
         for rid, token in sampled.items():
@@ -267,9 +274,16 @@ class LLMEngine:
                 self.beams.report(rid, token.top_logprobs or [])
                 continue
             group, branch = self._branch_of[rid]
-            if branch.on_token(token, rid in done):  # a stop string ended it
-                self._finish(branch, RequestStatus.FINISHED_STOPPED)
             changed[group.request_id] = group
+            if token.verified:  # a drafted decode: the tokens it kept, one by one
+                new = branch.request.output_token_ids[len(branch.output.token_ids) :]
+                for i, token_id in enumerate(new):
+                    last = i == len(new) - 1
+                    if branch.on_token(SampledToken(token_id, None, None), last and rid in done):
+                        self._finish(branch, RequestStatus.FINISHED_STOPPED)
+                        break
+            elif branch.on_token(token, rid in done):  # a stop string ended it
+                self._finish(branch, RequestStatus.FINISHED_STOPPED)
         for beam_output in self.beams.finish_ready():
             self._beam_results[beam_output.request_id] = beam_output
         outputs = [g.to_output() for g in changed.values()]

@@ -53,6 +53,25 @@ def add_engine_arguments(
         help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
     )
     g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="n-gram speculative decoding: draft up to this many tokens per greedy decode from "
+        "the request's own history, checked by the model in the same step (default: 0, off)",
+    )
+    g.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=4,
+        help="longest suffix looked up for a draft (default: 4)",
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=1,
+        help="shortest suffix looked up for a draft (default: 1)",
+    )
     if not tiers:
         return
     t = parser.add_argument_group("KV tiers")

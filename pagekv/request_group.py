@@ -41,7 +41,7 @@ class Branch:
             entry.update(dict(token.top_logprobs or []))
             out.logprobs.append(entry)
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + token.logprob
-        is_stop_token = self.request.status is RequestStatus.FINISHED_STOPPED
+        is_stop_token = finished and self.request.status is RequestStatus.FINISHED_STOPPED
         skip_text = is_stop_token and not params.include_stop_str_in_output
         delta = "" if skip_text else self.detok.append(token.token_id)
         out.text = self.detok.text

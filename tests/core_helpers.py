@@ -114,10 +114,24 @@ class SimulatedKV:
         for src, dst in transfers.copies:
             self.device[dst] = list(self.device[src])
 
-    def write(self, table: Sequence[int], request: Request, start: int, num_tokens: int) -> None:
+    def write(
+        self,
+        table: Sequence[int],
+        request: Request,
+        start: int,
+        num_tokens: int,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
+        """Signatures of positions [start, start + num_tokens); ``tokens``: the sequence fed,
+        when it runs past the request's own tokens (drafts)."""
         bs = self.block_size
         for p in range(start, start + num_tokens):
-            self.device[table[p // bs]][p % bs] = signature(request, p)
+            sig = (
+                signature(request, p)
+                if tokens is None
+                else (request.cache_salt, tuple(tokens[: p + 1]))
+            )
+            self.device[table[p // bs]][p % bs] = sig
 
     def read(self, table: Sequence[int], num_tokens: int, *, host: bool = False) -> list[Any]:
         blocks = self.host if host else self.device

@@ -278,6 +278,70 @@ def test_kernel_matches_torch_decode(
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel is optional")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (10, 2), (4, 4)])
+def test_kernel_attends_several_query_tokens_of_a_sequence(
+    dtype: torch.dtype, heads: tuple[int, int]
+) -> None:
+    """Drafted decodes: the last ``query_lens[b]`` positions of sequence b in one task, each
+    seeing the history up to itself. Bit for bit the rows of the same tokens given one at a
+    time (``per_query``), which read the history once each, and close to torch's reference;
+    every slot past a sequence is NaN, so a token reading past itself fails."""
+    assert KERNEL is not None
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(7)
+    block_size, query_lens, seq_lens = 16, [1, 5, 3, 1, 8, 2], [1, 37, 300, 64, 9, 130]
+    width = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * width + 1
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
+    tables = tables.view(len(seq_lens), width).to(torch.int32)
+    for b, n in enumerate(seq_lens):  # unwritten: the last block's tail, and unused blocks
+        for cache in (k_cache, v_cache):
+            cache[tables[b, (n - 1) // block_size].long(), (n - 1) % block_size + 1 :] = float(
+                "nan"
+            )
+            cache[tables[b, -(-n // block_size) :].long()] = float("nan")
+    lens = torch.tensor(query_lens, dtype=torch.int32)
+    batch = DecodeBatch(
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        max(seq_lens),
+        query_lens=lens,
+        num_queries=sum(query_lens),
+        max_query_len=max(query_lens),
+    )
+    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen).to(dtype)
+    out = KERNEL(q, k_cache, v_cache, batch, SCALE)
+    one_by_one = batch.per_query()
+    first_tokens = [1, 33, 298, 64, 2, 129]  # one row per query token, up to itself
+    want = [
+        n
+        for first, q_len in zip(first_tokens, query_lens, strict=True)
+        for n in range(first, first + q_len)
+    ]
+    assert one_by_one.seq_lens.tolist() == want
+    torch.testing.assert_close(out, KERNEL(q, k_cache, v_cache, one_by_one, SCALE), atol=0, rtol=0)
+    expected = decode_attention_torch(q, k_cache, v_cache, batch, SCALE)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for bad in ([1, 5, 3, 1, 8, 0], [1, 5, 3, 1, 10, 2]):  # a sequence with no query; 10 > 9
+        with pytest.raises(ValueError):
+            DecodeBatch(
+                tables,
+                batch.seq_lens,
+                max(seq_lens),
+                query_lens=torch.tensor(bad, dtype=torch.int32),
+                num_queries=sum(bad),
+                max_query_len=max(bad),
+            )
+    with pytest.raises(ValueError):  # q rows that do not match the query lengths
+        KERNEL(q[:-1], k_cache, v_cache, batch, SCALE)
+
+
 def _decode_rows_sharing(
     seed: int, dtype: torch.dtype, shared_blocks: int, seq_lens: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch]:

@@ -9,9 +9,10 @@ deterministic function of the request's tokens so far.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from core_helpers import SimulatedKV, signature
+from core_helpers import SimulatedKV
 
 from pagekv.core import KVCacheManager, Plan, Request
 from pagekv.core.invariants import check_manager, check_plan
@@ -21,10 +22,14 @@ from pagekv.sampling_params import SamplingParams
 VOCAB = 1000
 
 
+def fake_next(tokens: Sequence[int], request_id: str) -> int:
+    """The token a deterministic 'model' samples after ``tokens``."""
+    return (tokens[-1] * 31 + len(tokens) * 7 + len(request_id)) % VOCAB
+
+
 def fake_token(request: Request) -> int:
     """The token a deterministic 'model' samples after ``request``'s tokens so far."""
-    tokens = request.all_token_ids
-    return (tokens[-1] * 31 + len(tokens) * 7 + len(request.request_id)) % VOCAB
+    return fake_next(request.all_token_ids, request.request_id)
 
 
 def make_request(
@@ -47,26 +52,39 @@ class FakeRunner:
     """Executes plans on simulated KV memory; ``check_history`` re-reads every scheduled
     request's whole history (O(tokens) per request per step)."""
 
-    def __init__(self, kv: KVCacheManager, *, check_history: bool = True) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        check_history: bool = True,
+        model: Callable[[Sequence[int], str], int] = fake_next,
+    ) -> None:
         host = kv.host_pool.num_blocks if kv.host_pool is not None else 0
         self.memory = SimulatedKV(kv.pool.num_blocks, host, kv.block_size)
         self.check_history = check_history
+        self.model = model
         self.num_tokens_computed = 0
+        # Drafted decodes of the last step: the model's token after each position fed.
+        self.verified: dict[str, list[int]] = {}
 
     def execute(self, plan: Plan) -> dict[str, int]:
         self.memory.apply(plan.transfers)
         sampled: dict[str, int] = {}
+        self.verified = {}
         for s in plan.scheduled:
-            request = s.request
-            self.memory.write(s.block_table, request, s.start_position, s.num_tokens)
+            request, start, end = s.request, s.start_position, s.end_position
+            fed = request.all_token_ids[:start] + s.token_ids  # drafts included
+            self.memory.write(s.block_table, request, start, s.num_tokens, fed)
             self.num_tokens_computed += s.num_tokens
-            end = s.start_position + s.num_tokens
             if self.check_history:
                 got = self.memory.read(s.block_table, end)
-                want = [signature(request, p) for p in range(end)]
+                want = [(request.cache_salt, tuple(fed[: p + 1])) for p in range(end)]
                 assert got == want, f"step {plan.step}: {request.request_id} reads wrong K/V"
-            if s.samples:
-                sampled[request.request_id] = fake_token(request)
+            rid = request.request_id
+            if s.draft_token_ids:
+                self.verified[rid] = [self.model(fed[: p + 1], rid) for p in range(start, end)]
+            elif s.samples:
+                sampled[rid] = self.model(request.all_token_ids, rid)
         return sampled
 
 
@@ -87,7 +105,7 @@ def run_step(
         check_manager(scheduler.kv)
         check_plan(scheduler.kv, plan)
     sampled = runner.execute(plan)
-    done = scheduler.update(plan, sampled)
+    done = scheduler.update(plan, sampled, runner.verified)
     if check:
         check_manager(scheduler.kv)
     if log is not None:
@@ -108,9 +126,11 @@ def run_until_done(
     raise AssertionError(f"not done after {max_steps} steps: {scheduler.num_unfinished} left")
 
 
-def expected_output(request: Request) -> list[int]:
+def expected_output(
+    request: Request, model: Callable[[Sequence[int], str], int] = fake_next
+) -> list[int]:
     """The tokens the fake model generates for ``request``'s prompt, computed independently."""
-    probe = Request(request.request_id, request.prompt_token_ids, request.params)
+    tokens = list(request.prompt_token_ids)
     for _ in range(request.params.max_tokens):
-        probe.append_token(fake_token(probe))
-    return probe.output_token_ids
+        tokens.append(model(tokens, request.request_id))
+    return tokens[len(request.prompt_token_ids) :]

@@ -59,20 +59,34 @@ class ScheduledRequest:
 
     ``block_table`` is the manager's live list for the request; read it, never change it. It
     covers at least ``start_position + num_tokens`` tokens when the plan is made.
+
+    A drafted decode (speculation.py) feeds its last token and then ``draft_token_ids``, which
+    are not (yet) the request's tokens: ``num_tokens = 1 + len(draft_token_ids)``, and the
+    model's choice at every one of those positions comes back.
     """
 
     request: Request
     start_position: int
     num_tokens: int
     block_table: list[int]
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def end_position(self) -> int:
+        """One past the last position fed this step."""
+        return self.start_position + self.num_tokens
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.start_position + self.num_tokens == self.request.num_tokens
+        end = self.start_position + self.num_tokens - len(self.draft_token_ids)
+        return end == self.request.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
+        """The tokens fed: the request's from ``start_position``, then any drafts."""
+        if self.draft_token_ids:
+            return self.request.all_token_ids[self.start_position :] + list(self.draft_token_ids)
         end = self.start_position + self.num_tokens
         return self.request.all_token_ids[self.start_position : end]
 

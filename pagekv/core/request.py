@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import time
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pagekv.core.block_pool import BlockHash
 from pagekv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagekv.core.speculation import NgramIndex
 
 
 class RequestStatus(Enum):
@@ -74,6 +78,9 @@ class Request:
         # Keys of this sequence's full blocks (prefix_cache.extend_hash_chain); derived from the
         # tokens, kept here so a waiting request does not rehash every time it is considered.
         self.block_hashes: list[BlockHash] = []
+        # Where each n-gram of its tokens last occurred, for drafting (speculation.py); built
+        # on the first draft, None for requests never drafted for.
+        self.ngram_index: NgramIndex | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from pagekv.core.block_pool import BlockHash
 from pagekv.core.kv_cache_manager import KVCacheManager
@@ -47,6 +47,7 @@ from pagekv.core.policy import RequestOrder, RequestQueue, SchedulingPolicy, che
 from pagekv.core.preemption import PreemptionCostModel, PreemptionMode, RateLimitedLog
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler_config import SchedulerConfig, SchedulerCounters
+from pagekv.core.speculation import NgramProposer, accept
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 
 __all__ = [
@@ -96,6 +97,13 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
         self._preempted_last_step = False
         self._running_sorted = True  # False once a request joins ``running`` out of order
+        self.proposer = (
+            NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
+            )
+            if config.num_speculative_tokens
+            else None
+        )
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -248,6 +256,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         running, max_seqs = self.running, self.config.max_num_seqs
         append_slots, block_table = self.kv.append_slots, self.kv.block_table
+        proposer = self.proposer
         i, end = 0, min(len(running), max_seqs)  # running[i] is the next to consider
         while i < end and budget > 0:
             request = running[i]
@@ -256,18 +265,33 @@ class Scheduler:
             if num_new <= 0:  # nothing to do this step (a beam held for its siblings)
                 i += 1
                 continue
+            drafts: tuple[int, ...] = ()
             if num_new > 1:
                 num_new = self._chunk(num_new, budget, end - i - 1)
-            if not append_slots(request, num_new):
+            elif proposer is not None:
+                drafts = self._draft(proposer, request, budget - (end - i))
+                if drafts and append_slots(request, 1 + len(drafts)):
+                    num_new += len(drafts)
+                else:  # no room for guesses: decode plainly (a draft never preempts anyone)
+                    drafts = ()
+            if not drafts and not append_slots(request, num_new):
                 fits = self._make_room(request, num_new, preempted)
                 end = min(len(running), max_seqs)
                 if not fits:
                     continue
             table = block_table(request.request_id)
-            scheduled.append(ScheduledRequest(request, start, num_new, table))
+            scheduled.append(ScheduledRequest(request, start, num_new, table, drafts))
             budget -= num_new
             i += 1
         return scheduled, budget
+
+    def _draft(self, proposer: NgramProposer, request: Request, budget: int) -> tuple[int, ...]:
+        """Draft tokens for a decode at the end of its tokens, within the token ``budget`` left
+        after it and one token per running request behind it, and short of ``max_tokens``."""
+        if request.fork_children or request.num_computed_tokens != request.num_tokens - 1:
+            return ()
+        remaining = request.params.max_tokens - request.num_output_tokens - 1
+        return tuple(proposer.propose(request, min(budget, remaining)))
 
     def _make_room(self, request: Request, num_new: int, preempted: list[str]) -> bool:
         """Grow ``request`` by ``num_new`` slots, preempting from the tail until it fits.
@@ -418,9 +442,17 @@ class Scheduler:
 
     # ---- after the runner -----------------------------------------------------------------------
 
-    def update(self, plan: Plan, sampled: dict[str, int]) -> list[Request]:
+    def update(
+        self,
+        plan: Plan,
+        sampled: Mapping[str, int],
+        verified: Mapping[str, Sequence[int]] | None = None,
+    ) -> list[Request]:
         """Advance computed tokens, commit full blocks, append sampled tokens.
 
+        ``sampled``: the token sampled for each entry that reached its end. ``verified``: for
+        each entry with drafts, the model's greedy token at each position it fed (drafts + 1);
+        the drafts it agrees with and one more token are appended (speculation.accept).
         Returns the requests that reached a token-level stop (eos, stop token, length); they
         are finished and their blocks released here. Stop strings are the engine's to check.
         """
@@ -430,6 +462,10 @@ class Scheduler:
             request = entry.request
             if request.status is not running:
                 continue  # aborted after the plan was made
+            if entry.draft_token_ids:
+                assert verified is not None, "a plan with drafts needs the verified tokens"
+                self._accept(entry, verified[request.request_id], finished)
+                continue
             start = request.num_computed_tokens
             end = request.num_computed_tokens = start + entry.num_tokens
             if end // block_size != start // block_size:
@@ -445,3 +481,26 @@ class Scheduler:
                 self.finish(request, status)
                 finished.append(request)
         return finished
+
+    def _accept(
+        self, entry: ScheduledRequest, targets: Sequence[int], finished: list[Request]
+    ) -> None:
+        """Append what a drafted decode yields, up to a stop; its K/V is computed for all but
+        the last appended token (the K/V written for rejected drafts is overwritten later)."""
+        request, drafts = entry.request, entry.draft_token_ids
+        tokens = accept(drafts, targets)
+        self.counters.draft_tokens += len(drafts)
+        self.counters.accepted_draft_tokens += len(tokens) - 1
+        status = None
+        for token in tokens:
+            request.append_token(token)
+            status = request.stop_status(token)
+            if status is not None:
+                break
+        start = request.num_computed_tokens
+        request.num_computed_tokens = request.num_tokens - 1
+        if request.num_computed_tokens // self.kv.block_size != start // self.kv.block_size:
+            self.kv.commit(request)
+        if status is not None:
+            self.finish(request, status)
+            finished.append(request)

@@ -60,6 +60,11 @@ class SchedulerConfig:
     cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
     preemption_log_interval_s: float = 10.0  # at most one preemption log line per interval
     load_cost: LoadCostModel = field(default_factory=LoadCostModel)  # wait for storage or not
+    # Speculative decoding by n-gram lookup (speculation.py): draft tokens per greedy decode
+    # (0: off), and the longest and shortest suffix looked up in the request's history.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         mode = _enum(PreemptionMode, self.preemption_mode, "preemption_mode")
@@ -76,6 +81,9 @@ class SchedulerConfig:
         _check_int(self.max_model_len, "max_model_len", 1)
         _check_int(self.priority_aging_steps, "priority_aging_steps", 0)
         _check_int(self.long_prefill_token_threshold, "long_prefill_token_threshold", 0)
+        _check_int(self.num_speculative_tokens, "num_speculative_tokens", 0)
+        _check_int(self.prompt_lookup_min, "prompt_lookup_min", 1)
+        _check_int(self.prompt_lookup_max, "prompt_lookup_max", self.prompt_lookup_min)
         if not _is_number(self.watermark) or not 0 <= self.watermark < 1:
             raise InvalidRequestError(
                 f"watermark must be in [0, 1), got {self.watermark!r}", "watermark"
@@ -115,3 +123,5 @@ class SchedulerCounters:
     loads_arrived: int = 0  # ... whose prefetch arrived in time
     load_give_ups: int = 0  # ... that stopped waiting at the deadline and recomputed
     load_skipped: int = 0  # storage had their prefix, but recomputing was estimated faster
+    draft_tokens: int = 0  # tokens drafted by n-gram lookup and checked by the model
+    accepted_draft_tokens: int = 0  # ... that the model agreed with (kept as output)

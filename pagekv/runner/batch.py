@@ -1,9 +1,10 @@
 """One step's model inputs, built from the plan's scheduled requests: token ids, positions,
 slots, and the attention layouts (fast and reference).
 
-Owns the flat token order of a step: decode rows (one new token) first, then the prefill
-chunks, each group in plan order. The model is per-token except attention, so the order only
-has to agree between the inputs, the attention layout and the rows read back for sampling.
+Owns the flat token order of a step: decode rows (one new token; a drafted decode's last token
+and drafts) first, then the prefill chunks, each group in plan order. The model is per-token
+except attention, so the order only has to agree between the inputs, the attention layout and
+the rows read back for sampling.
 
 Slot of position p of a request (see attention.py for the picture)::
 
@@ -14,6 +15,7 @@ Imports the core's plan types only to read them. Must not import ``models`` or `
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,29 +35,52 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     slot_mapping: torch.Tensor  # int64 [T]
-    last_token: list[int]  # per entry of ``order``: flat index of its last new token
+    last_token: list[int]  # per entry of ``order``: flat index of its last token fed
     layout: StepLayout
 
 
 def _decode_rows(
-    rows: Sequence[ScheduledRequest], block_size: int
+    entries: Sequence[ScheduledRequest], block_size: int
 ) -> tuple[list[int], list[int], list[int], DecodeBatch]:
-    """Token ids, positions and slots of the decode rows, and their kernel batch."""
-    ids = [s.request.all_token_ids[s.start_position] for s in rows]
-    positions = [s.start_position for s in rows]
-    slots = [
-        s.block_table[p // block_size] * block_size + p % block_size
-        for s, p in zip(rows, positions, strict=True)
-    ]
-    num_blocks = [p // block_size + 1 for p in positions]
+    """Token ids, positions and slots of the decode rows, and their kernel batch.
+
+    A drafted decode is one row per position it feeds, each attending up to its own position:
+    row for row what decoding those tokens one step at a time would compute, in one step, and
+    the kernel reads its history once for all of them (``DecodeBatch.query_lens``)."""
+    drafted = any(s.draft_token_ids for s in entries)
+    if drafted:
+        ids = [t for s in entries for t in s.token_ids]
+        positions = [p for s in entries for p in range(s.start_position, s.end_position)]
+        slots = [
+            s.block_table[p // block_size] * block_size + p % block_size
+            for s in entries
+            for p in range(s.start_position, s.end_position)
+        ]
+    else:  # the common step: one token per entry
+        ids = [s.request.all_token_ids[s.start_position] for s in entries]
+        positions = [s.start_position for s in entries]
+        slots = [
+            s.block_table[p // block_size] * block_size + p % block_size
+            for s, p in zip(entries, positions, strict=True)
+        ]
+    seq_lens = [s.start_position + s.num_tokens for s in entries]
+    num_blocks = [-(-n // block_size) for n in seq_lens]
     width = max(num_blocks, default=0)
-    tables = [s.block_table[:n] + [0] * (width - n) for s, n in zip(rows, num_blocks, strict=True)]
-    block_tables = torch.tensor(tables, dtype=torch.int32).view(len(rows), width)
+    tables = [
+        s.block_table[:n] + [0] * (width - n) for s, n in zip(entries, num_blocks, strict=True)
+    ]
+    block_tables = torch.tensor(tables, dtype=torch.int32).view(len(entries), width)
+    first = min((s.start_position for s in entries), default=0)
     batch = DecodeBatch(
         block_tables=block_tables,
-        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32),
-        max_seq_len=max(positions, default=-1) + 1,
-        shared_blocks=_shared_blocks(block_tables, min(positions, default=0) // block_size),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_seq_len=max(seq_lens, default=0),
+        shared_blocks=_shared_blocks(block_tables, first // block_size),
+        query_lens=(
+            torch.tensor([s.num_tokens for s in entries], dtype=torch.int32) if drafted else None
+        ),
+        num_queries=len(ids),
+        max_query_len=max((s.num_tokens for s in entries), default=1),
     )
     return ids, positions, slots, batch
 
@@ -87,12 +112,12 @@ def _prefill_chunk(
 
 def prepare_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> StepInputs:
     """Build the step's inputs; one pass over the rows, no per-token Python loop."""
-    decode = [s for s in scheduled if s.num_tokens == 1]
-    prefill = [s for s in scheduled if s.num_tokens > 1]
+    decode = [s for s in scheduled if s.num_tokens == 1 or s.draft_token_ids]
+    prefill = [s for s in scheduled if s.num_tokens > 1 and not s.draft_token_ids]
     ids, decode_positions, decode_slots, decode_batch = _decode_rows(decode, block_size)
     positions = [torch.tensor(decode_positions, dtype=torch.int64)]
     slots = [torch.tensor(decode_slots, dtype=torch.int64)]
-    last_token = list(range(len(decode)))
+    last_token = list(itertools.accumulate((s.num_tokens for s in decode), initial=-1))[1:]
     chunks: list[PrefillChunk] = []
     for entry in prefill:
         chunk, chunk_positions, chunk_slots = _prefill_chunk(entry, len(ids), block_size)
@@ -107,7 +132,7 @@ def prepare_step(scheduled: Sequence[ScheduledRequest], block_size: int) -> Step
         positions=torch.cat(positions),
         slot_mapping=torch.cat(slots),
         last_token=last_token,
-        layout=StepLayout(len(decode), decode_batch, tuple(chunks)),
+        layout=StepLayout(len(decode_positions), decode_batch, tuple(chunks)),
     )
 
 

@@ -166,6 +166,80 @@ static inline void scores16(const KV* q, const KV* const* rows, int count, int g
         _mm512_mask_storeu_ps(s + g * stride, valid, _mm512_mul_ps(hsum16(acc), vscale));
     }
 }
+#if defined(__AVX512BF16__)
+// In place: r[j] becomes column j of the 16 x 16 matrix of 32-bit words whose rows were r[0..15].
+static inline void transpose16x16(__m512i* r) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; ++k) {  // per 128-bit lane L: [r2k[4L], r2k+1[4L], r2k[4L+1], ...]
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {  // u[4k + c], lane L: rows 4k .. 4k+3 of column 4L + c
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // column 4L + c: lane k of it is lane L of u[4k + c]
+        const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+        const __m512i b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+        const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+    }
+}
+
+// bfloat16: the 16 key rows are transposed once, as pairs of dims (kp[i], lane t: dims 2i and
+// 2i+1 of key t), so each query row's 16 scores are D/2 vdpbf16ps with the query's pair i
+// broadcast: no horizontal sums, and a drafted decode's many query rows share the transpose.
+// A score's sum runs over even pairs and odd pairs in order, then adds the two: the same order
+// for every row, whatever else is in the call.
+template <int D>
+static inline void scores16(const uint16_t* q, const uint16_t* const* rows, int count,
+                            int num_rows, float scale, float* s, long stride) {
+    static_assert(D % 32 == 0, "head dim: whole 16-pair words");
+    __m512i kp[D / 2];
+    for (int half = 0; half < D / 32; ++half) {  // pairs [16 half, 16 half + 16)
+        __m512i* block = kp + 16 * half;
+        for (int t = 0; t < 16; ++t)
+            block[t] = t < count ? _mm512_loadu_si512(rows[t] + 32 * half)
+                                 : _mm512_setzero_si512();
+        transpose16x16(block);
+    }
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const uint32_t* qp = (const uint32_t*)q;  // query pairs
+    int r = 0;
+    for (; r + 2 <= num_rows; r += 2) {  // two rows at a time: four independent sums
+        const uint32_t* a = qp + long(r) * (D / 2);
+        const uint32_t* b = a + D / 2;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+        for (int i = 0; i < D / 2; i += 2) {
+            const __m512bh k0 = (__m512bh)kp[i], k1 = (__m512bh)kp[i + 1];
+            a0 = _mm512_dpbf16_ps(a0, k0, (__m512bh)_mm512_set1_epi32(int(a[i])));
+            a1 = _mm512_dpbf16_ps(a1, k1, (__m512bh)_mm512_set1_epi32(int(a[i + 1])));
+            b0 = _mm512_dpbf16_ps(b0, k0, (__m512bh)_mm512_set1_epi32(int(b[i])));
+            b1 = _mm512_dpbf16_ps(b1, k1, (__m512bh)_mm512_set1_epi32(int(b[i + 1])));
+        }
+        _mm512_mask_storeu_ps(s + r * stride, valid, _mm512_mul_ps(_mm512_add_ps(a0, a1), vscale));
+        _mm512_mask_storeu_ps(s + (r + 1) * stride, valid,
+                              _mm512_mul_ps(_mm512_add_ps(b0, b1), vscale));
+    }
+    for (; r < num_rows; ++r) {
+        const uint32_t* a = qp + long(r) * (D / 2);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        for (int i = 0; i < D / 2; i += 2) {
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)kp[i], (__m512bh)_mm512_set1_epi32(int(a[i])));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)kp[i + 1],
+                                  (__m512bh)_mm512_set1_epi32(int(a[i + 1])));
+        }
+        _mm512_mask_storeu_ps(s + r * stride, valid, _mm512_mul_ps(_mm512_add_ps(a0, a1), vscale));
+    }
+}
+#endif
 // out[g] += sum_t p[g * p_stride + t] * rows[t] for G heads at once: each value row is widened
 // to float32 once, in registers, and the G accumulators (G * D / 16 registers) stay there.
 template <int D, int G, typename KV>
@@ -222,10 +296,11 @@ static inline void pv_heads(int group, const float* p, long p_stride, const KV* 
 }
 
 #if defined(__AVX512F__)
-// lse (when given): per row, log of the sum of exp(x), for merging with another part.
-static inline void softmax_rows(float* scores, int rows, int len, float* lse) {
+// Softmax of the first `len` scores of each of `rows` rows, `stride` apart; lse (when given):
+// per row, log of the sum of exp(x), for merging with another part.
+static inline void softmax_rows(float* scores, int rows, int len, long stride, float* lse) {
     for (int h = 0; h < rows; ++h) {
-        float* x = scores + long(h) * len;
+        float* x = scores + h * stride;
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int pos = 0; pos < len; pos += 16) {
             const __mmask16 m = first_lanes(len - pos);
@@ -251,9 +326,9 @@ static inline void softmax_rows(float* scores, int rows, int len, float* lse) {
     }
 }
 #else
-static inline void softmax_rows(float* scores, int rows, int len, float* lse) {
+static inline void softmax_rows(float* scores, int rows, int len, long stride, float* lse) {
     for (int h = 0; h < rows; ++h) {
-        float* x = scores + long(h) * len;
+        float* x = scores + h * stride;
         float m = x[0], sum = 0.f;
         for (int pos = 1; pos < len; ++pos) m = x[pos] > m ? x[pos] : m;
         for (int pos = 0; pos < len; ++pos) {
@@ -292,17 +367,22 @@ static inline int rows16(const KV* cache, const long* slots, int first, int seq_
     return count;
 }
 
-// One sequence, kv heads [h0, h1), positions [start, seq_len): scores [heads, S - start] in
-// `scores`, softmax, then the weighted sum of values (and, if lse is given, each head's
-// log-sum-exp of its scores at lse[head]). Each K (then V) row is read once and reused by every
-// query head of its group while in cache. `slots` (room for seq_len) gets each position's cache
-// slot, walked from the block table once: no division per row, and the K and V passes share it.
+// One sequence, kv heads [h0, h1), positions [start, seq_len), for its `qlen` query tokens
+// (the last qlen positions; token t sees positions < seq_len - qlen + 1 + t): scores
+// [qlen * heads, S - start] in `scores`, softmax, then the weighted sum of values (and, if lse
+// is given, each head's log-sum-exp of its scores at lse[token * num_heads + head]). Each K
+// (then V) row is read once and reused by every query head of its group, of every token, while
+// in cache: a drafted decode's tokens cost one read of the history, not one each. Every row's
+// arithmetic is that of the same token alone. `slots` (room for seq_len) gets each position's
+// cache slot, walked from the block table once: no division per row, and both passes share it.
+// `qbuf` (room for qlen * heads * D) holds the queries of one kv head, token by token.
 template <typename KV, int D>
 static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t* table,
-                         int seq_len, int start, const Shape& sh, int h0, int h1, float scale,
-                         float* scores, long* slots, float* out, float* lse) {
-    const int heads = (h1 - h0) * sh.group, len = seq_len - start;
-    const long stride = sh.token_stride;
+                         int seq_len, int qlen, int start, const Shape& sh, int h0, int h1,
+                         float scale, float* scores, long* slots, KV* qbuf, float* out,
+                         float* lse) {
+    const int g = sh.group, len = seq_len - start, rows_per_kvh = qlen * g;
+    const long stride = sh.token_stride, q_stride = long(sh.num_heads) * D;
     for (int pos = 0, b = 0; pos < seq_len; ++b) {
         const long base = long(table[b]) * sh.block_size;
         for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
@@ -313,64 +393,94 @@ static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t*
     // 1.1-1.17x at 384-2048 bf16 positions; 0.95x for 2048 float32 ones, which do not fit).
     const bool values_fit_l2 = long(len) * (h1 - h0) * D * long(sizeof(KV)) <= VALUES_IN_L2_BYTES;
     const KV* rows[16];
+    for (int kvh = h0; kvh < h1; ++kvh)  // queries of kv head kvh: [token][group head][D]
+        for (int t = 0; t < qlen && qlen > 1; ++t)
+            std::memcpy(qbuf + (long(kvh - h0) * rows_per_kvh + t * g) * D,
+                        q + t * q_stride + long(kvh) * g * D, sizeof(KV) * g * D);
     for (int first = start; first < seq_len; first += 16)  // 16 positions at a time
         for (int kvh = h0; kvh < h1; ++kvh) {
             const int count = rows16<KV, D>(kc, slots, first, seq_len, stride, kvh, rows);
             if (values_fit_l2)
                 prefetch_rows<KV, D, 2>(vc, slots, first, first + count, stride, kvh);
-            scores16<D>(q + long(kvh) * sh.group * D, rows, count, sh.group, scale,
-                        scores + long(kvh - h0) * sh.group * len + (first - start), len);
+            const KV* qh = qlen > 1 ? qbuf + long(kvh - h0) * rows_per_kvh * D
+                                    : q + long(kvh) * g * D;
+            scores16<D>(qh, rows, count, rows_per_kvh, scale,
+                        scores + long(kvh - h0) * rows_per_kvh * len + (first - start), len);
         }
-    softmax_rows(scores, heads, len, lse == nullptr ? nullptr : lse + long(h0) * sh.group);
-    float* acc = out + long(h0) * sh.group * D;  // [heads, D]: these heads' output rows
-    std::memset(acc, 0, sizeof(float) * heads * D);
+    for (int kvh = h0; kvh < h1; ++kvh)
+        for (int t = 0; t < qlen; ++t) {
+            float* row_lse = lse == nullptr ? nullptr : lse + t * sh.num_heads + long(kvh) * g;
+            softmax_rows(scores + (long(kvh - h0) * rows_per_kvh + t * g) * len, g,
+                         len - (qlen - 1 - t), len, row_lse);
+        }
+    for (int t = 0; t < qlen; ++t)  // these heads' output rows of every token
+        std::memset(out + t * q_stride + long(h0) * g * D, 0, sizeof(float) * (h1 - h0) * g * D);
     for (int first = start; first < seq_len; first += 16)
         for (int kvh = h0; kvh < h1; ++kvh) {
             const int count = rows16<KV, D>(vc, slots, first, seq_len, stride, kvh, rows);
-            const int h = (kvh - h0) * sh.group;
-            pv_heads<D>(sh.group, scores + long(h) * len + (first - start), len, rows, count,
-                        acc + long(h) * D);
+            for (int t = 0; t < qlen; ++t) {
+                const int visible = len - (qlen - 1 - t) - (first - start);  // of these 16
+                if (visible <= 0) continue;
+                const float* p = scores + (long(kvh - h0) * rows_per_kvh + t * g) * len;
+                pv_heads<D>(g, p + (first - start), len, rows, count < visible ? count : visible,
+                            out + t * q_stride + long(kvh) * g * D);
+            }
         }
 }
 
 template <typename KV, int D>
 static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* tables,
-                   const int32_t* seq_lens, float* out, int num_seqs, int table_stride,
-                   int num_heads, int kv_heads, int block_size, int max_seq_len, float scale,
-                   int num_threads, int start, float* lse) {
+                   const int32_t* seq_lens, const int32_t* query_lens, float* out, int num_seqs,
+                   int table_stride, int num_heads, int kv_heads, int block_size,
+                   int max_seq_len, int max_query_len, float scale, int num_threads, int start,
+                   float* lse) {
     const Shape sh{num_heads, kv_heads, num_heads / kv_heads, block_size, long(kv_heads) * D};
+    // Sequence b's query tokens start at row first_row[b] of q, out and lse.
+    long* first_row = (long*)std::malloc(sizeof(long) * (num_seqs + 1));
+    first_row[0] = 0;
+    for (int b = 0; b < num_seqs; ++b)
+        first_row[b + 1] = first_row[b] + (query_lens == nullptr ? 1 : query_lens[b]);
     // Whole sequences per task stream each block contiguously; with fewer sequences than
     // threads, split by kv head so every thread has work.
     const int split = num_seqs < num_threads ? kv_heads : 1;
     #pragma omp parallel num_threads(num_threads)
     {
-        float* scores = (float*)std::malloc(sizeof(float) * num_heads * (max_seq_len + 1));
+        const long rows = long(num_heads) * max_query_len;
+        float* scores = (float*)std::malloc(sizeof(float) * rows * (max_seq_len + 1));
         long* slots = (long*)std::malloc(sizeof(long) * (max_seq_len + 1));
+        KV* qbuf = (KV*)std::malloc(sizeof(KV) * rows * D);
         #pragma omp for schedule(dynamic)
         for (long task = 0; task < long(num_seqs) * split; ++task) {
             const int b = int(task / split), part = int(task % split);
             const int h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
-            one_sequence<KV, D>(q + long(b) * num_heads * D, kc, vc,
-                                tables + long(b) * table_stride, seq_lens[b], start, sh, h0,
-                                h1, scale, scores, slots, out + long(b) * num_heads * D,
-                                lse == nullptr ? nullptr : lse + long(b) * num_heads);
+            const long row = first_row[b];
+            one_sequence<KV, D>(q + row * num_heads * D, kc, vc,
+                                tables + long(b) * table_stride, seq_lens[b],
+                                int(first_row[b + 1] - row), start, sh, h0, h1, scale, scores,
+                                slots, qbuf, out + row * num_heads * D,
+                                lse == nullptr ? nullptr : lse + row * num_heads);
         }
+        std::free(qbuf);
         std::free(slots);
         std::free(scores);
     }
+    std::free(first_row);
 }
 
 // start: the first position each row attends (0: all of it); lse: null, or float32
-// [num_seqs, num_heads] for each head's log-sum-exp over those positions.
+// [rows, num_heads] for each head's log-sum-exp over those positions; query_lens: null (one
+// query token per sequence) or int32 [num_seqs], the rows of q per sequence.
 #define ENTRY(NAME, KV, D)                                                                   \
     extern "C" void NAME(const void* q, const void* kc, const void* vc,                      \
-                         const int32_t* tables, const int32_t* seq_lens, float* out,         \
-                         int num_seqs, int table_stride, int num_heads, int kv_heads,        \
-                         int block_size, int max_seq_len, float scale, int num_threads,      \
+                         const int32_t* tables, const int32_t* seq_lens,                     \
+                         const int32_t* query_lens, float* out, int num_seqs,                \
+                         int table_stride, int num_heads, int kv_heads, int block_size,      \
+                         int max_seq_len, int max_query_len, float scale, int num_threads,   \
                          int start, float* lse) {                                            \
-        decode<KV, D>((const KV*)q, (const KV*)kc, (const KV*)vc, tables, seq_lens, out,     \
-                      num_seqs, table_stride, num_heads, kv_heads, block_size, max_seq_len,  \
-                      scale, num_threads, start, lse);                                       \
+        decode<KV, D>((const KV*)q, (const KV*)kc, (const KV*)vc, tables, seq_lens,          \
+                      query_lens, out, num_seqs, table_stride, num_heads, kv_heads,          \
+                      block_size, max_seq_len, max_query_len, scale, num_threads, start,     \
+                      lse);                                                                  \
     }
 ENTRY(decode_f32_d64, float, 64)
 ENTRY(decode_bf16_d64, uint16_t, 64)
@@ -414,14 +524,46 @@ _ENTRIES = {
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """The decode rows of a step, one query token each, as the kernel reads them."""
+    """The decode sequences of a step as the kernel reads them: one query token each, or, with
+    ``query_lens``, the last ``query_lens[b]`` positions of sequence b (a drafted decode), each
+    seeing the history up to itself."""
 
     block_tables: torch.Tensor  # int32 [B, max_blocks], contiguous; padding is never read
-    seq_lens: torch.Tensor  # int32 [B], history length including this step's token
+    seq_lens: torch.Tensor  # int32 [B], history length including this step's tokens
     max_seq_len: int  # max(seq_lens), as a python int so the call needs no sync
     # Leading blocks every row has in its table (the same physical blocks: a shared prompt),
-    # all before each row's own last position; 0 when none or fewer than 2 rows.
+    # all before each row's own first query position; 0 when none or fewer than 2 rows.
     shared_blocks: int = 0
+    query_lens: torch.Tensor | None = None  # int32 [B]; None: 1 each
+    num_queries: int = 0  # sum(query_lens) (B when None): the rows of q
+    max_query_len: int = 1
+
+    def __post_init__(self) -> None:
+        lens = self.query_lens
+        if lens is None:
+            return
+        if not (
+            lens.dtype == torch.int32
+            and lens.is_contiguous()
+            and lens.shape == self.seq_lens.shape
+            and bool((lens >= 1).all())
+            and bool((lens <= self.seq_lens).all())
+            and int(lens.sum()) == self.num_queries
+            and (lens.numel() == 0 or int(lens.max()) <= self.max_query_len)
+        ):
+            raise ValueError("DecodeBatch: query_lens must be int32 [B], 1 <= each <= seq_len")
+
+    def per_query(self) -> DecodeBatch:
+        """The same attention with one row per query token (for the torch fallback)."""
+        if self.query_lens is None:
+            return self
+        lens = self.query_lens.long()
+        tables = self.block_tables.repeat_interleave(lens, 0)
+        ends = torch.repeat_interleave(self.seq_lens - self.query_lens, lens)  # [Q] first - 1
+        starts = torch.cumsum(lens, 0) - lens  # [B] first row of each sequence
+        offsets = torch.arange(self.num_queries) - starts.repeat_interleave(lens)  # [Q]
+        seq_lens = (ends + offsets + 1).to(torch.int32)
+        return DecodeBatch(tables, seq_lens, self.max_seq_len, 0, None, self.num_queries)
 
 
 class DecodeKernel:
@@ -432,7 +574,7 @@ class DecodeKernel:
         for key, name in _ENTRIES.items():
             fn = getattr(library, name)
             fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float]
+            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7 + [ctypes.c_float]
             fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # threads, start, lse
             self._functions[key] = fn
         self._write_rows = library.write_rows
@@ -481,32 +623,36 @@ class DecodeKernel:
         start: int = 0,
         lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [B, H, D] and caches [num_blocks, block_size, KVH, D], all float32 or all
-        bfloat16 (the model's dtype, so no conversion) -> float32 [B, H, D].
+        """q [Q, H, D] (Q = B, or ``batch.num_queries`` with query lengths) and caches
+        [num_blocks, block_size, KVH, D], all float32 or all bfloat16 (the model's dtype, so no
+        conversion) -> float32 [Q, H, D].
 
         All contiguous on CPU; only positions [start, seq_len) are read (start below every
-        seq_len). Scores, softmax and the sum of values are float32 whatever the input dtype.
-        ``lse`` (float32 [B, H]), if given, receives each head's log-sum-exp of its scaled
-        scores, to merge this part with attention over positions [0, start).
+        sequence's first query position). Scores, softmax and the sum of values are float32
+        whatever the input dtype. ``lse`` (float32 [Q, H]), if given, receives each head's
+        log-sum-exp of its scaled scores, to merge this part with attention over [0, start).
         """
-        num_seqs, num_heads, head_dim = q.shape
+        num_queries, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        tables, seq_lens = batch.block_tables, batch.seq_lens
+        tables, seq_lens, query_lens = batch.block_tables, batch.seq_lens, batch.query_lens
+        num_seqs = seq_lens.shape[0]
+        first = seq_lens if query_lens is None else seq_lens - query_lens + 1
         # The C side trusts its pointers: check what a wrong caller would get silently wrong.
         if not (
             q.dtype == k_cache.dtype
             and all(t.is_contiguous() for t in (q, k_cache, v_cache, seq_lens))
             and tables.dtype == seq_lens.dtype == torch.int32
             and tables.stride(-1) == 1
-            and tables.shape[0] == seq_lens.shape[0] == num_seqs
+            and tables.shape[0] == num_seqs
+            and num_queries == (num_seqs if query_lens is None else batch.num_queries)
             and v_cache.shape == k_cache.shape
             and v_cache.dtype == k_cache.dtype
             and (lse is None or (lse.dtype == torch.float32 and lse.shape == q.shape[:2]))
             and (lse is None or lse.is_contiguous())
-            and (start == 0 or 0 < start < int(seq_lens.min()))
+            and (start == 0 or 0 < start < int(first.min()))
         ):
             raise ValueError("decode kernel: wrong dtype, shape or layout of its inputs")
-        out = torch.empty(q.shape, dtype=torch.float32)  # [B, H, D]
+        out = torch.empty(q.shape, dtype=torch.float32)  # [Q, H, D]
         fn = self._functions[(k_cache.dtype, head_dim)]
         fn(
             q.data_ptr(),
@@ -514,6 +660,7 @@ class DecodeKernel:
             v_cache.data_ptr(),
             batch.block_tables.data_ptr(),
             batch.seq_lens.data_ptr(),
+            None if query_lens is None else query_lens.data_ptr(),
             out.data_ptr(),
             num_seqs,
             batch.block_tables.stride(0),
@@ -521,6 +668,7 @@ class DecodeKernel:
             num_kv_heads,
             block_size,
             batch.max_seq_len,
+            batch.max_query_len if query_lens is not None else 1,
             scale,
             torch.get_num_threads(),
             start,

@@ -277,7 +277,8 @@ def decode_attention_torch(
     scale: float,
 ) -> torch.Tensor:
     """The kernel's contract in torch ops, for when it is unavailable: gathers whole blocks
-    (not positions) and computes in float32. q [B, H, D] -> float32 [B, H, D]."""
+    (not positions) and computes in float32. q [Q, H, D] -> float32 [Q, H, D]."""
+    batch = batch.per_query()  # one row per query token
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_blocks = -(-batch.max_seq_len // block_size)

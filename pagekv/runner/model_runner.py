@@ -11,6 +11,7 @@ One step::
     forward           each layer writes its new K/V by slot, reads history via block tables
                       (fast path: fast_attention.py; the reference: attention.py)
     sample            logits of the last position of each request that samples   [S, vocab]
+                      (a drafted decode: of every position it fed, each checked greedily)
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class SampledToken:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
+    # A drafted decode: the token chosen at each position it fed (``token_id`` is the first);
+    # the scheduler keeps the drafts these confirm (core.speculation.accept).
+    verified: tuple[int, ...] = ()
 
 
 PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (for A/B runs)
@@ -148,10 +152,15 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(inputs.order) if s.samples]  # rows of inputs.order
         if not sampling:
             return {}
-        last = torch.tensor([inputs.last_token[i] for i in sampling])  # [S]
-        logits = self.model.compute_logits(hidden[last])  # [S, vocab] float32
         entries = [inputs.order[i] for i in sampling]
-        out = self.sampler(logits, [self._row(e) for e in entries])
+        rows: list[int] = []  # flat token rows whose logits are sampled
+        sampling_rows: list[SamplingRow] = []  # and how
+        for i, entry in zip(sampling, entries, strict=True):
+            num_drafts = len(entry.draft_token_ids)  # a drafted decode: every position it fed
+            rows.extend(range(inputs.last_token[i] - num_drafts, inputs.last_token[i] + 1))
+            sampling_rows.extend(self._row(entry, j) for j in range(num_drafts + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows)])  # [S, vocab] float32
+        out = self.sampler(logits, sampling_rows)
         return self._results(entries, out)
 
     def _attention_fn(self, inputs: StepInputs) -> AttentionFn:
@@ -178,12 +187,13 @@ class ModelRunner:
 
         return attend
 
-    def _row(self, entry: ScheduledRequest) -> SamplingRow:
+    def _row(self, entry: ScheduledRequest, ahead: int = 0) -> SamplingRow:
+        """How to sample ``entry``'s next token, or (drafts) the one ``ahead`` positions on."""
         request = entry.request
         return SamplingRow(
             params=request.params,
             generator=self._generator(request.request_id, request.params.seed),
-            num_generated=request.num_output_tokens,
+            num_generated=request.num_output_tokens + ahead,
             eos_token_ids=request.eos_token_ids,
         )
 
@@ -192,10 +202,14 @@ class ModelRunner:
         entries: Sequence[ScheduledRequest], out: SamplerOutput
     ) -> dict[str, SampledToken]:
         results: dict[str, SampledToken] = {}
-        for i, entry in enumerate(entries):
+        row = 0  # the sampler's row of each entry's first sampled position
+        for entry in entries:
+            num_rows = len(entry.draft_token_ids) + 1
             results[entry.request.request_id] = SampledToken(
-                token_id=out.token_ids[i],
-                logprob=None if out.logprobs is None else out.logprobs[i],
-                top_logprobs=out.top_logprobs[i],
+                token_id=out.token_ids[row],
+                logprob=None if out.logprobs is None else out.logprobs[row],
+                top_logprobs=out.top_logprobs[row],
+                verified=tuple(out.token_ids[row : row + num_rows]) if num_rows > 1 else (),
             )
+            row += num_rows
         return results
