@@ -217,3 +217,38 @@ def test_argmax_rows_matches_torch_with_ties_nan_and_infinities() -> None:
     assert got[1] == 10 and got[2] == 333 and got[3] == 0 and got[4] == 999
     strided = x.t().contiguous().t()  # same values, column-major
     assert argmax_rows(strided).tolist() == got.tolist()
+
+
+@pytest.mark.parametrize("cols", [1000, 49152, 7])
+def test_argmax_rows_of_bfloat16_logits_match_float32(cols: int) -> None:
+    """The bf16 path (the C kernel, logits read in place) agrees with the float32 argmax of the
+    same values: ties to the lowest id, NaN as the maximum, rows shorter than a vector."""
+    from pagekv.runner.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(9, cols, generator=gen).bfloat16()
+    x[1, [0, cols - 1]] = 50.0
+    x[2, cols // 2] = float("nan")
+    x[2, cols - 1] = float("nan")  # the first NaN counts
+    x[3] = float("-inf")
+    x[4, cols - 1] = float("inf")
+    x[5] = x[5].round()
+    got = argmax_rows(x)
+    assert got.tolist() == x.float().argmax(dim=-1).tolist()
+    assert got[1] == 0 and got[2] == cols // 2 and got[3] == 0 and got[4] == cols - 1
+
+
+def test_greedy_rows_sample_bfloat16_logits_without_widening_them() -> None:
+    """All-greedy rows take the bf16 logits as they are (min_tokens still suppresses EOS);
+    a batch with a sampled or logprob row widens to float32 and samples as before."""
+    logits = _logits(4, 300, seed=3).bfloat16()
+    eos = int(logits[0].float().argmax())
+    greedy = SamplingParams(temperature=0.0, min_tokens=2)
+    rows = [SamplingRow(greedy, None, num_generated=n, eos_token_ids=(eos,)) for n in range(4)]
+    out = Sampler()(logits, rows)
+    assert out.logprobs is None and out.top_logprobs == [None] * 4
+    assert out.token_ids == Sampler()(logits.float(), rows).token_ids
+    assert out.token_ids[0] != eos  # suppressed below min_tokens
+    logprob_rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=2))] * 4
+    widened = Sampler()(logits, logprob_rows)
+    assert widened.logprobs is not None and widened.token_ids == logits.float().argmax(-1).tolist()

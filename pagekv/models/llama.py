@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
     """The whole decoder. Owns its weights (frozen, eval mode) and the float32 RoPE table.
 
     `forward` maps a flat batch of tokens from any number of sequences to final-normed hidden
-    states; `compute_logits` turns the rows the caller wants sampled into float32 logits.
+    states; `compute_logits` turns the rows the caller wants sampled into logits.
     """
 
     rope_cos: torch.Tensor  # buffers: [max_position_embeddings, head_dim // 2] float32
@@ -177,9 +177,11 @@ class LlamaForCausalLM(nn.Module):
             return self.ops.rms_norm(x, self.norm, eps)
         return self.ops.add_rms_norm(x, residual, self.norm, eps)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
-        return self.ops.linear(hidden, self._head(), self.packed_head, None).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab], float32 or (``float32=False``) in the
+        model's dtype, for a caller that widens only what it needs."""
+        logits = self.ops.linear(hidden, self._head(), self.packed_head, None)
+        return logits.float() if float32 else logits
 
     def _head(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head

@@ -487,6 +487,47 @@ ENTRY(decode_bf16_d64, uint16_t, 64)
 ENTRY(decode_f32_d128, float, 128)
 ENTRY(decode_bf16_d128, uint16_t, 128)
 
+// The first maximum of each of `rows` bfloat16 rows of `cols` (a NaN counts as the maximum, as
+// in torch): greedy sampling straight from the LM head's bf16 logits, without widening them all
+// to float32 first. Two passes per row; the second finds the first lane equal to the maximum.
+extern "C" void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, long cols,
+                                 int num_threads) {
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long r = 0; r < rows; ++r) {
+        const uint16_t* row = x + r * cols;
+        float best = -INFINITY;
+        long at = 0, nan_at = -1;
+#if defined(__AVX512F__)
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        long c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m512 v = load16(row + c);
+            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) && nan_at < 0) {
+                for (long j = c; j < c + 16; ++j)
+                    if (std::isnan(load(row[j]))) { nan_at = j; break; }
+            }
+            vmax = _mm512_max_ps(vmax, v);
+        }
+        best = _mm512_reduce_max_ps(vmax);
+        for (long j = c; j < cols; ++j) {
+            const float v = load(row[j]);
+            if (std::isnan(v) && nan_at < 0) nan_at = j;
+            best = v > best ? v : best;
+        }
+#else
+        for (long j = 0; j < cols; ++j) {
+            const float v = load(row[j]);
+            if (std::isnan(v) && nan_at < 0) nan_at = j;
+            best = v > best ? v : best;
+        }
+#endif
+        if (nan_at >= 0) { out[r] = nan_at; continue; }
+        for (long j = 0; j < cols; ++j)
+            if (load(row[j]) == best) { at = j; break; }
+        out[r] = at;
+    }
+}
+
 // This step's new K and V rows (row_bytes each, token t at slots[t]) into the caches, which
 // hold `num_slots` rows each. Every slot is checked before anything is written (returns -1 on
 // one out of range). The destination rows lie anywhere in the pool, so each is requested 8
@@ -580,9 +621,21 @@ class DecodeKernel:
         self._write_rows = library.write_rows
         self._write_rows.restype = ctypes.c_int
         self._write_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
+        self._argmax_bf16 = library.argmax_bf16_rows
+        self._argmax_bf16.restype = None
+        self._argmax_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int]
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
         return (dtype, head_dim) in self._functions
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x.argmax(dim=-1)`` of bfloat16 [B, V] (the first maximum; NaN counts as the
+        maximum), read in place; None for anything else."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0:
+            return None
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax_bf16(x.data_ptr(), out.data_ptr(), *x.shape, torch.get_num_threads())
+        return out
 
     def write_kv(
         self,

@@ -159,7 +159,8 @@ class ModelRunner:
             num_drafts = len(entry.draft_token_ids)  # a drafted decode: every position it fed
             rows.extend(range(inputs.last_token[i] - num_drafts, inputs.last_token[i] + 1))
             sampling_rows.extend(self._row(entry, j) for j in range(num_drafts + 1))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows)])  # [S, vocab] float32
+        # [S, vocab] in the model's dtype: the sampler widens to float32 only if it must
+        logits = self.model.compute_logits(hidden[torch.tensor(rows)], float32=False)
         out = self.sampler(logits, sampling_rows)
         return self._results(entries, out)
 

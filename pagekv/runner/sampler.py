@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagekv.runner import cpu_kernel
 from pagekv.sampling_params import SamplingParams
 
 # Below this temperature dividing the logits overflows toward inf - inf = NaN; such rows are
@@ -68,7 +69,7 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Turns logits float32 [B, V] into one token per row. Stateless.
+    """Turns logits [B, V] (float32, or the model's bf16) into one token per row. Stateless.
 
     Filters are vectorized over the batch with per-row parameters as tensors, and a filter no
     row uses is skipped, so an all-greedy batch costs one argmax.
@@ -77,6 +78,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [B={len(rows)}, V], got {tuple(logits.shape)}")
+        if all(row.greedy and row.params.logprobs is None for row in rows):
+            # The maximum is the same in any dtype (bf16 -> float32 is exact): no widening
+            token_ids = argmax_rows(_suppress_stop_tokens(logits, rows))
+            return SamplerOutput(token_ids.tolist(), None, [None] * len(rows))
         logits = logits.float()  # [B, V]
         processed = _suppress_stop_tokens(logits, rows)  # [B, V]
         # Greedy for every row first (argmax breaks ties toward the lowest id); sampled rows
@@ -126,12 +131,15 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` for float32 [B, V]: the first maximum of each row (NaN counts as the
-    maximum, as in torch). On CPU through numpy, whose SIMD argmax is ~8x faster than torch's
-    here (0.8 vs 6 ms for 64 x 49,152): one of these runs every step."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return x.argmax(dim=-1)
-    return torch.from_numpy(np.argmax(x.contiguous().numpy(), axis=-1))
+    """``x.argmax(dim=-1)`` for [B, V]: the first maximum of each row (NaN counts as the
+    maximum, as in torch). On CPU, float32 through numpy, whose SIMD argmax is ~8x faster than
+    torch's here (0.8 vs 6 ms for 64 x 49,152), and bfloat16 through the C kernel (3-4x faster
+    than widening to float32 first): one of these runs every step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(x.contiguous().numpy(), axis=-1))
+    kernel = cpu_kernel.load() if x.device.type == "cpu" else None
+    found = kernel.argmax_rows(x.contiguous()) if kernel is not None else None
+    return found if found is not None else x.argmax(dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
