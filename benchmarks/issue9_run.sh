@@ -12,18 +12,24 @@ THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS PYTHONUNBUFFERED=1
 step() { echo "== $* ($(date '+%T'), load $(cut -d' ' -f1-3 /proc/loadavg))"; }
 quiet() { grep -v -e Converting -e 'Loading weights'; }
+# Each engine also with n-gram speculative decoding (pagekv --num-speculative-tokens 4, vLLM's
+# "ngram" method with 4 tokens): pagekv-ngram, vllm-ngram.
 step random bf16
 python benchmarks/compare.py --workload random --dtype bfloat16 --rounds "${ROUNDS:-2}" \
-    --num-threads "$THREADS" --hf-limit 16 --json-out "$OUT/random_bf16.json" 2>&1 | quiet \
-    || echo FAILED
+    --num-threads "$THREADS" --engines pagekv,pagekv-ngram,vllm,vllm-ngram \
+    --json-out "$OUT/random_bf16.json" 2>&1 | quiet || echo FAILED
+step random bf16, HF on the first 16 requests
+python benchmarks/compare.py --workload random --dtype bfloat16 --rounds 1 \
+    --num-threads "$THREADS" --engines pagekv,hf --hf-limit 16 \
+    --json-out "$OUT/random_bf16_hf.json" 2>&1 | quiet || echo FAILED
 step prefix bf16
 python benchmarks/compare.py --workload prefix --dtype bfloat16 --rounds "${ROUNDS:-2}" \
-    --num-threads "$THREADS" --engines pagekv,vllm --json-out "$OUT/prefix_bf16.json" 2>&1 \
-    | quiet || echo FAILED
+    --num-threads "$THREADS" --engines pagekv,pagekv-ngram,vllm \
+    --json-out "$OUT/prefix_bf16.json" 2>&1 | quiet || echo FAILED
 step random fp32
 python benchmarks/compare.py --workload random --dtype float32 --rounds "${ROUNDS_FP32:-1}" \
-    --num-threads "$THREADS" --hf-limit 16 --json-out "$OUT/random_fp32.json" 2>&1 | quiet \
-    || echo FAILED
+    --num-threads "$THREADS" --engines pagekv,pagekv-ngram,hf,vllm --hf-limit 16 \
+    --json-out "$OUT/random_fp32.json" 2>&1 | quiet || echo FAILED
 step start-up
 python benchmarks/bench_startup.py --runs 2 --dtype float32 || echo FAILED
 step attention

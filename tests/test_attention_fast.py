@@ -401,6 +401,34 @@ def test_kernel_attends_from_a_start_and_reports_log_sum_exp(dtype: torch.dtype)
         KERNEL(q, k_cache, v_cache, batch, SCALE, start=49, lse=lse)
 
 
+@pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel is optional")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_query_tokens_from_a_start_with_log_sum_exp(dtype: torch.dtype) -> None:
+    """Drafted decodes over a shared prefix (cascade attention's decode part): with ``start``
+    and ``lse``, several query tokens per sequence give bit for bit what the same tokens give
+    one per row."""
+    assert KERNEL is not None
+    _, k_cache, v_cache, shared = _decode_rows_sharing(2, dtype, 3, [60, 64, 130, 300])
+    query_lens = [3, 1, 5, 2]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    batch = dataclasses.replace(
+        shared,
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        num_queries=sum(query_lens),
+        max_query_len=max(query_lens),
+    )
+    start = 3 * 16
+    lse, lse_rows = torch.empty(q.shape[:2]), torch.empty(q.shape[:2])
+    out = KERNEL(q, k_cache, v_cache, batch, SCALE, start=start, lse=lse)
+    rows = KERNEL(q, k_cache, v_cache, batch.per_query(), SCALE, start=start, lse=lse_rows)
+    torch.testing.assert_close(out, rows, atol=0, rtol=0)
+    torch.testing.assert_close(lse, lse_rows, atol=0, rtol=0)
+    assert not out.isnan().any() and not lse.isnan().any()
+    with pytest.raises(ValueError):  # the first token of sequence 0 (position 57) is before it
+        KERNEL(q, k_cache, v_cache, batch, SCALE, start=58, lse=lse)
+
+
 @needs_prefill_kernel
 @pytest.mark.parametrize("rows", [4, 7, 64])
 def test_cascade_attention_over_a_shared_prefix(rows: int) -> None:

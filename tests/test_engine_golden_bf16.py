@@ -73,10 +73,12 @@ def reference_bf16(prompt_ids: list[list[int]], hf_model_bf16: Any) -> list[Refe
     return [_greedy_reference(hf_model_bf16, ids) for ids in prompt_ids]
 
 
-def agreeing_prefix(ours: list[int], ours_logprobs: list[float], ref: Reference) -> int:
-    """How many leading tokens agree (each with a close logprob); fails unless the first
-    disagreement is a near tie."""
+def agreeing_prefix(ours: list[int], ours_logprobs: list[float] | None, ref: Reference) -> int:
+    """How many leading tokens agree (each with a close logprob, when given); fails unless the
+    first disagreement is a near tie."""
     for j, (a, b) in enumerate(zip(ours, ref.tokens, strict=True)):
+        if a == b and ours_logprobs is None:
+            continue
         if a == b:
             ref_logprob = float(ref.logprobs[j, a])
             assert abs(ours_logprobs[j] - ref_logprob) < BF16_LOGPROB_TOL, (
@@ -127,4 +129,28 @@ def test_bf16_greedy_near_transformers_bf16(
     total = NUM_NEW_TOKENS * len(prompt_ids)
     print(f"bf16 golden, block {block_size}: {agreed}/{total} tokens agree before a near tie")
     assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"
+    check_no_leak(llm.engine.kv)
+
+
+def test_bf16_drafted_greedy_near_transformers_bf16(
+    loaded_bf16: LoadedModel, prompt_ids: list[list[int]], reference_bf16: list[Reference]
+) -> None:
+    """The same rule with n-gram speculation on: drafted tokens are checked by the model's own
+    greedy choice, so the tokens stay those of bf16 greedy decoding (logprobs are not asked
+    for: a request that wants them is never drafted for)."""
+    config = EngineConfig(
+        dtype="bfloat16", num_kv_blocks=1024, check_invariants=True, num_speculative_tokens=4
+    )
+    llm = LLM.from_engine(LLMEngine(config, loaded_bf16))
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    agreed = 0
+    for out, ref in zip(outs, reference_bf16, strict=True):
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == NUM_NEW_TOKENS
+        agreed += agreeing_prefix(tokens, None, ref)
+    total = NUM_NEW_TOKENS * len(prompt_ids)
+    print(f"bf16 golden with drafts: {agreed}/{total} tokens agree before a near tie")
+    assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"
+    assert llm.stats()["accepted_draft_tokens"] > 0
     check_no_leak(llm.engine.kv)
