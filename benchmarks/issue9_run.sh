@@ -35,12 +35,13 @@ python benchmarks/bench_startup.py --runs 2 --dtype float32 || echo FAILED
 step attention
 python benchmarks/bench_attention.py --dtype float32 --threads "$THREADS" --repeat 3 || echo FAILED
 python benchmarks/bench_attention.py --dtype bfloat16 --threads "$THREADS" --repeat 3 || echo FAILED
-# pagekv's whole process during `random` (2 GiB of KV, as vLLM's VLLM_CPU_KVCACHE_SPACE=2),
+# pagekv's whole process during `random` (2 GiB of KV, as vLLM's VLLM_CPU_KVCACHE_SPACE=2;
+# n-gram speculation on),
 # profiled by py-spy at the same time (the engine is the largest process of the tree).
 step rss and profile
 python benchmarks/peak_rss.py --json-out "$OUT/pagekv_rss_bf16.json" -- \
     py-spy record --rate 50 --format speedscope -o "$OUT/pagekv_random_bf16.speedscope.json" -- \
     pagekv bench --workload random --dtype bfloat16 --num-threads "$THREADS" \
-    --kv-cache-memory 2GiB \
+    --kv-cache-memory 2GiB --num-speculative-tokens 4 \
     --json-out "$OUT/pagekv_bench_bf16.json" || echo FAILED
 step done
