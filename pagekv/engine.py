@@ -307,7 +307,8 @@ class LLMEngine:
                 self.trace.record(
                     group.arrival_time,
                     request.num_prompt_tokens,
-                    request.num_output_tokens,
+                    len(branch.output.token_ids),  # what the user got (a stop string can end
+                    # a drafted decode before the tokens the request had already kept)
                     block_hashes_hex(request.prompt_token_ids, request.cache_salt),
                 )
         for branch in group.branches:
