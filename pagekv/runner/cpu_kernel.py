@@ -69,6 +69,7 @@ _SOURCE = (
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 static inline float load(float x) { return x; }
 static inline float load(uint16_t x) {  // bfloat16 -> float32 is exact: the high 16 bits
@@ -192,14 +193,16 @@ static inline void transpose16x16(__m512i* r) {
     }
 }
 
-// bfloat16: the 16 key rows are transposed once, as pairs of dims (kp[i], lane t: dims 2i and
-// 2i+1 of key t), so each query row's 16 scores are D/2 vdpbf16ps with the query's pair i
-// broadcast: no horizontal sums, and a drafted decode's many query rows share the transpose.
-// A score's sum runs over even pairs and odd pairs in order, then adds the two: the same order
-// for every row, whatever else is in the call.
+// scores16 for many bfloat16 query rows (a drafted decode's tokens x heads): the 16 key rows
+// are transposed once, as pairs of dims (kp[i], lane t: dims 2i and 2i+1 of key t), so each
+// query row's 16 scores are D/2 vdpbf16ps with the query's pair i broadcast: no horizontal sums,
+// the transpose shared by all rows. For a few rows (one token's heads) the transpose costs more
+// than it saves (measured 5-12% slower in cache), so one_sequence keeps scores16 there. A
+// score's sum runs over even pairs and odd pairs in order, then adds the two.
+static const int PAIRS_MIN_ROWS = 6;
 template <int D>
-static inline void scores16(const uint16_t* q, const uint16_t* const* rows, int count,
-                            int num_rows, float scale, float* s, long stride) {
+static inline void scores16_pairs(const uint16_t* q, const uint16_t* const* rows, int count,
+                                  int num_rows, float scale, float* s, long stride) {
     static_assert(D % 32 == 0, "head dim: whole 16-pair words");
     __m512i kp[D / 2];
     for (int half = 0; half < D / 32; ++half) {  // pairs [16 half, 16 half + 16)
@@ -373,7 +376,8 @@ static inline int rows16(const KV* cache, const long* slots, int first, int seq_
 // is given, each head's log-sum-exp of its scores at lse[token * num_heads + head]). Each K
 // (then V) row is read once and reused by every query head of its group, of every token, while
 // in cache: a drafted decode's tokens cost one read of the history, not one each. Every row's
-// arithmetic is that of the same token alone. `slots` (room for seq_len) gets each position's
+// arithmetic is that of the same token alone, except bf16 scores of 2+ tokens, which take
+// scores16_pairs (float32 sums in another order). `slots` (room for seq_len) gets each position's
 // cache slot, walked from the block table once: no division per row, and both passes share it.
 // `qbuf` (room for qlen * heads * D) holds the queries of one kv head, token by token.
 template <typename KV, int D>
@@ -404,8 +408,15 @@ static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t*
                 prefetch_rows<KV, D, 2>(vc, slots, first, first + count, stride, kvh);
             const KV* qh = qlen > 1 ? qbuf + long(kvh - h0) * rows_per_kvh * D
                                     : q + long(kvh) * g * D;
-            scores16<D>(qh, rows, count, rows_per_kvh, scale,
-                        scores + long(kvh - h0) * rows_per_kvh * len + (first - start), len);
+            float* s = scores + long(kvh - h0) * rows_per_kvh * len + (first - start);
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same<KV, uint16_t>::value)
+                if (rows_per_kvh >= PAIRS_MIN_ROWS) {
+                    scores16_pairs<D>(qh, rows, count, rows_per_kvh, scale, s, len);
+                    continue;
+                }
+#endif
+            scores16<D>(qh, rows, count, rows_per_kvh, scale, s, len);
         }
     for (int kvh = h0; kvh < h1; ++kvh)
         for (int t = 0; t < qlen; ++t) {
