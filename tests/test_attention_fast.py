@@ -346,6 +346,73 @@ def test_kernel_attends_several_query_tokens_of_a_sequence(
         KERNEL(q[:-1], k_cache, v_cache, batch, SCALE)
 
 
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (10, 2), (4, 4)])
+def test_drafted_decodes_on_tiles(heads: tuple[int, int]) -> None:
+    """bf16 drafted decodes through the prefill kernel's tiles (``PrefillKernel.decode``): the
+    float32 attention of each token over the history up to itself, within bf16 rounding (the
+    probabilities are rounded to bf16, as SDPA does); changing the last position of every
+    sequence leaves every earlier token's row bit for bit as it was; slots past a sequence are
+    NaN. ``FastAttention`` takes this path for steps of two or more query tokens per sequence
+    on average, and the decode kernel for one token each."""
+    assert PREFILL is not None and KERNEL is not None
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(11)
+    block_size, query_lens, seq_lens = 16, [1, 5, 3, 8, 2, 4], [1, 37, 300, 64, 9, 130]
+    width = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * width + 1
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
+    tables = tables.view(len(seq_lens), width).to(torch.int32)
+    for b, n in enumerate(seq_lens):
+        for cache in (k_cache, v_cache):
+            cache[tables[b, (n - 1) // block_size].long(), (n - 1) % block_size + 1 :] = float(
+                "nan"
+            )
+            cache[tables[b, -(-n // block_size) :].long()] = float("nan")
+    batch = DecodeBatch(
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        max(seq_lens),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        num_queries=sum(query_lens),
+        max_query_len=max(query_lens),
+    )
+    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    assert PREFILL.decode(q, k_cache, v_cache, batch, SCALE, out)
+    expected = decode_attention_torch(q, k_cache, v_cache, batch, SCALE)  # float32 inside
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    last = torch.cumsum(torch.tensor(query_lens), 0) - 1  # each sequence's last token's row
+    changed_k, changed_v = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(seq_lens):
+        block, offset = tables[b, (n - 1) // block_size].long(), (n - 1) % block_size
+        changed_k[block, offset] = 3.0
+        changed_v[block, offset] *= 40
+    out_changed = torch.empty_like(out)
+    assert PREFILL.decode(q, changed_k, changed_v, batch, SCALE, out_changed)
+    earlier = torch.ones(len(q), dtype=torch.bool)
+    earlier[last] = False
+    assert torch.equal(out_changed[earlier], out[earlier])
+    assert (out_changed[last] != out[last]).flatten(1).any(1).all()
+    caches = (k_cache, v_cache)
+    routed = FastAttention(StepLayout(len(q), batch, ()), SCALE, KERNEL, PREFILL)(
+        q, q[:, :num_kv_heads], q[:, :num_kv_heads], caches
+    )
+    assert torch.equal(routed, out)
+    one_each = DecodeBatch(tables, batch.seq_lens, max(seq_lens))  # the decode kernel's turn
+    q1 = q[: len(seq_lens)].contiguous()
+    routed = FastAttention(StepLayout(len(q1), one_each, ()), SCALE, KERNEL, PREFILL)(
+        q1, q1[:, :num_kv_heads], q1[:, :num_kv_heads], caches
+    )
+    assert torch.equal(routed, KERNEL(q1, k_cache, v_cache, one_each, SCALE).to(torch.bfloat16))
+    with pytest.raises(ValueError):  # q rows that do not match the query lengths
+        PREFILL.decode(q[:-1], k_cache, v_cache, batch, SCALE, out[:-1])
+
+
 def _decode_rows_sharing(
     seed: int, dtype: torch.dtype, shared_blocks: int, seq_lens: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch]:

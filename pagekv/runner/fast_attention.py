@@ -1,5 +1,6 @@
 """Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
-through the AMX prefill kernel (bf16) or SDPA. Agrees with ``paged_attention_reference``
+through the AMX prefill kernel (bf16) or SDPA; drafted decodes (several tokens a sequence) in
+bf16 through the prefill kernel's tiles too. Agrees with ``paged_attention_reference``
 (tests/test_attention_fast.py).
 
 Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
@@ -36,6 +37,10 @@ from pagekv.runner.prefill_kernel import PrefillBatch, PrefillKernel
 # Decode rows below this go through the decode kernel alone even when they share a prefix:
 # the tiles take 16 (row, query head) pairs at a time, and packing the prefix is not free.
 CASCADE_MIN_ROWS = 4
+# Decode steps go through the prefill kernel's tiles when their sequences feed at least this
+# many query tokens on average (drafts): packing a history costs about what the decode kernel
+# spends on one token, and the tiles then take every token's products almost for free.
+TILES_MIN_QUERIES_PER_SEQ = 2
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,7 @@ class FastAttention:
         k_cache, v_cache = caches
         out = torch.empty_like(q)  # [T, H, D]
         nd = self.layout.num_decode
-        if nd:
+        if nd and not self._decode_on_tiles(q[:nd], k_cache, v_cache, out[:nd]):
             kernel = self.kernel
             if kernel is not None and kernel.supports(k_cache.dtype, q.shape[-1]):
                 q_decode = q[:nd].to(k_cache.dtype).contiguous()  # [nd, H, D], no copy if same
@@ -147,6 +152,21 @@ class FastAttention:
             else:
                 out[group.rows] = _prefill_group(q, k, v, caches, group, self.scale)
         return out
+
+    def _decode_on_tiles(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+    ) -> bool:
+        """Drafted decode rows (two or more query tokens per sequence on average) in bf16
+        through the prefill kernel's tiles, when they share no prefix: per sequence and kv head
+        the history is packed once and every token's query heads go through it together."""
+        batch, prefill = self.layout.decode, self.prefill_kernel
+        return (
+            prefill is not None
+            and batch.num_queries >= TILES_MIN_QUERIES_PER_SEQ * batch.seq_lens.shape[0]
+            and not (batch.shared_blocks and q.shape[0] >= CASCADE_MIN_ROWS)
+            and prefill.supports(k_cache.dtype, q.shape[-1])
+            and prefill.decode(q, k_cache, v_cache, batch, self.scale, out)
+        )
 
     def _decode_by_kernels(
         self, kernel: DecodeKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

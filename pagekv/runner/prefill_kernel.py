@@ -4,7 +4,9 @@
   sequence, K/V read from the paged cache through the chunk's block table, one call per layer
   for all chunks;
 - decode rows that share a prefix (cascade attention): the shared blocks attended once for all
-  rows, merged with each row's own rest, which the decode kernel attends, by log-sum-exp.
+  rows, merged with each row's own rest, which the decode kernel attends, by log-sum-exp;
+- drafted decodes (several query tokens per sequence): per sequence and kv head the history is
+  packed once and every token's query heads fill one block of 16 rows (``decode``).
 
 Why not SDPA: torch's CPU flash kernel runs prefill shapes (a few hundred tokens, 9 query heads
 over 3 kv heads, head dim 64) at 40-150 GFLOPS, a third of a prefill step's time on the
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from pagekv import native
-from pagekv.runner.cpu_kernel import EXP_SOURCE
+from pagekv.runner.cpu_kernel import EXP_SOURCE, DecodeBatch
 
 DISABLE_ENV = "PAGEKV_PREFILL_KERNEL"
 CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp")
@@ -108,6 +110,17 @@ static void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table
     const uint16_t* krow[32];
     const uint16_t* vrow[32];
     for (int first = 0; first < padded; first += 32) {
+        // the next 32 rows, requested now: blocks lie anywhere in the pool, so the hardware
+        // prefetcher loses the stream at every block boundary
+        for (int t = first + 32; t < first + 64 && t < seq_len; ++t) {
+            const long slot = long(table[t / block_size]) * block_size + t % block_size;
+            const char* k = (const char*)(kc + slot * token_stride + long(h) * D);
+            const char* v = (const char*)(vc + slot * token_stride + long(h) * D);
+            _mm_prefetch(k, _MM_HINT_T0);
+            _mm_prefetch(k + 64, _MM_HINT_T0);
+            _mm_prefetch(v, _MM_HINT_T0);
+            _mm_prefetch(v + 64, _MM_HINT_T0);
+        }
         for (int i = 0; i < 32; ++i) {
             const int t = first + i;
             krow[i] = vrow[i] = zeros;
@@ -143,12 +156,13 @@ static void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table
 }
 
 // Attention of up to 16 query rows (qbuf: 16 x D bf16, zero past `rows`) over packed keys:
-// row r sees keys [0, visible0 + r * causal). Leaves in acc the row's sum of p * v over its
-// keys with p = exp(scale * s - tops[r]) rounded to bf16, and in sums[r] the float32 total of p.
-static void attend_rows(const uint16_t* qbuf, int rows, int visible0, int causal,
-                        const uint16_t* kp, const uint16_t* vp, float scale, float* scores,
-                        uint16_t* probs, int width, float (*acc)[D], float* tops, float* sums) {
-    const int keys = visible0 + (rows - 1) * causal;  // the most any row sees
+// row r sees keys [0, visible[r]), visible nondecreasing. Leaves in acc the row's sum of p * v
+// over its keys with p = exp(scale * s - tops[r]) rounded to bf16, and in sums[r] the float32
+// total of p. Rows past `rows` are left out of the softmax: their acc rows are garbage.
+static void attend_rows(const uint16_t* qbuf, int rows, const int* visible, const uint16_t* kp,
+                        const uint16_t* vp, float scale, float* scores, uint16_t* probs,
+                        int width, float (*acc)[D], float* tops, float* sums) {
+    const int keys = visible[rows - 1];  // the most any row sees
     _tile_loadd(4, qbuf, D * 2);
     _tile_loadd(5, qbuf + 32, D * 2);
     for (int kb = 0; kb * KEY_TILE < keys; kb += 4) {
@@ -170,13 +184,13 @@ static void attend_rows(const uint16_t* qbuf, int rows, int visible0, int causal
     }
     const int pairs = (keys + 31) / 32;  // 32-key blocks of P.V
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int r = 0; r < 16; ++r) {
+    for (int r = 0; r < rows; ++r) {
         float* x = scores + long(r) * width;
         uint16_t* p = probs + long(r) * width;
-        const int visible = r < rows ? visible0 + r * causal : 0;
+        const int seen = visible[r];
         __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int k = 0; k < visible; k += 16) {
-            const __mmask16 m = first_lanes(visible - k);
+        for (int k = 0; k < seen; k += 16) {
+            const __mmask16 m = first_lanes(seen - k);
             vmax = _mm512_mask_max_ps(vmax, m, vmax,
                                       _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale));
         }
@@ -184,7 +198,7 @@ static void attend_rows(const uint16_t* qbuf, int rows, int visible0, int causal
         const __m512 top = _mm512_set1_ps(tops[r]);
         __m512 vsum = _mm512_setzero_ps();
         for (int k = 0; k < pairs * 32; k += 16) {
-            const __mmask16 m = k < visible ? first_lanes(visible - k) : __mmask16(0);
+            const __mmask16 m = k < seen ? first_lanes(seen - k) : __mmask16(0);
             const __m512 e = exp_nonpositive16(
                 _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale), top));
             const __m512 kept = _mm512_maskz_mov_ps(m, e);
@@ -218,8 +232,9 @@ static void attend_block(const uint16_t* q, uint16_t* out, long row_stride, int 
     for (int r = 0; r < rows; ++r) std::memcpy(qbuf + r * D, q + r * row_stride, D * 2);
     alignas(64) float acc[16][D];
     float tops[16], sums[16];
-    attend_rows(qbuf, rows, first_visible, 1, kp, vp, scale, scores, probs, width, acc, tops,
-                sums);
+    int visible[16];
+    for (int r = 0; r < 16; ++r) visible[r] = first_visible + (r < rows ? r : rows - 1);
+    attend_rows(qbuf, rows, visible, kp, vp, scale, scores, probs, width, acc, tops, sums);
     for (int r = 0; r < rows; ++r) {
         const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
         for (int c = 0; c < D; c += 16)
@@ -332,8 +347,10 @@ extern "C" int shared_prefix_attention_bf16_d64(const void* q, const void* kc, c
             alignas(64) float acc[16][D];
             float tops[16], sums[16];
             const uint16_t* kp = tiles + h * per_head;
-            attend_rows(qbuf, rows, prefix_len, 0, kp, kp + long(padded) * D, scale,
-                        scores.data(), probs.data(), padded, acc, tops, sums);
+            int visible[16];
+            for (int r = 0; r < 16; ++r) visible[r] = prefix_len;
+            attend_rows(qbuf, rows, visible, kp, kp + long(padded) * D, scale, scores.data(),
+                        probs.data(), padded, acc, tops, sums);
             for (int r = 0; r < rows; ++r) {  // weigh the two parts by their sums of exp
                 float* o = out + index[r] * D;
                 const float rest = lse[index[r]];
@@ -345,6 +362,70 @@ extern "C" int shared_prefix_attention_bf16_d64(const void* q, const void* kc, c
                     _mm512_storeu_ps(o + c, _mm512_add_ps(
                         _mm512_mul_ps(_mm512_load_ps(acc[r] + c), a),
                         _mm512_mul_ps(_mm512_loadu_ps(o + c), b)));
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+// Decode rows through the tiles: sequence b's last qlen_b positions (one query token each, or a
+// drafted decode's tokens; token t sees positions [0, seq_len - qlen + 1 + t)). Per sequence and
+// kv head the history is packed once, then its qlen x group rows (every query head of the kv
+// head, every token) go through the tiles 16 at a time: the decode kernel's one read of each
+// K/V row, with the products on AMX. `query_lens` may be null (one token each). Writes bf16 rows
+// of `out` [sum qlen, H, D].
+extern "C" int decode_attention_bf16_d64(const void* q, const void* kc, const void* vc, void* out,
+                                         const int32_t* tables, int table_stride,
+                                         const int32_t* seq_lens, const int32_t* query_lens,
+                                         int num_seqs, int num_heads, int kv_heads,
+                                         int block_size, int max_seq_len, float scale,
+                                         int threads) {
+    if (!amx_permitted() || num_heads % kv_heads != 0) return -1;
+    const int group = num_heads / kv_heads;
+    const int width = (max_seq_len + PAD - 1) / PAD * PAD;
+    std::vector<long> first_row(num_seqs + 1, 0);  // sequence b's first row of q and out
+    for (int b = 0; b < num_seqs; ++b)
+        first_row[b + 1] = first_row[b] + (query_lens == nullptr ? 1 : query_lens[b]);
+    const uint16_t* qs = (const uint16_t*)q;
+    uint16_t* os = (uint16_t*)out;
+    #pragma omp parallel num_threads(threads)
+    {
+        configure_tiles();
+        std::vector<uint16_t> tiles(long(width) * D * 2);  // one (sequence, kv head): K, V
+        std::vector<float> scores(16L * width);
+        std::vector<uint16_t> probs(16L * width);
+        #pragma omp for schedule(dynamic)
+        for (long task = 0; task < long(num_seqs) * kv_heads; ++task) {
+            const int b = int(task / kv_heads), h = int(task % kv_heads);
+            const int seq_len = seq_lens[b], qlen = int(first_row[b + 1] - first_row[b]);
+            const int padded = (seq_len + PAD - 1) / PAD * PAD;
+            uint16_t* kp = tiles.data();
+            uint16_t* vp = kp + long(padded) * D;
+            pack_kv((const uint16_t*)kc, (const uint16_t*)vc, tables + long(b) * table_stride,
+                    seq_len, padded, block_size, long(kv_heads) * D, h, kp, vp);
+            for (int first = 0; first < qlen * group; first += 16) {
+                const int rows = qlen * group - first < 16 ? qlen * group - first : 16;
+                alignas(64) uint16_t qbuf[16 * D] = {};
+                long index[16];  // each row's (token, query head) in q and out
+                int visible[16];
+                for (int r = 0; r < rows; ++r) {  // rows token-major: visible nondecreasing
+                    const int t = (first + r) / group, g = (first + r) % group;
+                    index[r] = (first_row[b] + t) * num_heads + long(h) * group + g;
+                    visible[r] = seq_len - qlen + 1 + t;
+                    std::memcpy(qbuf + r * D, qs + index[r] * D, D * 2);
+                }
+                alignas(64) float acc[16][D];
+                float tops[16], sums[16];
+                attend_rows(qbuf, rows, visible, kp, vp, scale, scores.data(), probs.data(),
+                            width, acc, tops, sums);
+                for (int r = 0; r < rows; ++r) {
+                    const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
+                    for (int c = 0; c < D; c += 16)
+                        _mm256_storeu_si256(
+                            (__m256i*)(os + index[r] * D + c),
+                            round_bf16x16(_mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv)));
+                }
             }
         }
         _tile_release();
@@ -364,6 +445,11 @@ extern "C" int prefill_attention_bf16_d64(const void*, const void*, const void*,
                                           const int64_t*, int, const int32_t*, int, int, int,
                                           float, int) {
     return -1;  // no AMX here: the caller keeps SDPA
+}
+extern "C" int decode_attention_bf16_d64(const void*, const void*, const void*, void*,
+                                         const int32_t*, int, const int32_t*, const int32_t*,
+                                         int, int, int, int, int, float, int) {
+    return -1;
 }
 #endif
 """
@@ -396,6 +482,11 @@ class PrefillKernel:
         # scale, out, lse, threads
         self._shared.argtypes = [ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, ctypes.c_float]
         self._shared.argtypes += [ptr, ptr, i32]
+        self._decode = library.decode_attention_bf16_d64
+        self._decode.restype = ctypes.c_int
+        # q, k_cache, v_cache, out, tables, table stride, seq lens, query lens, sequences,
+        # heads, kv heads, block size, max seq len, scale, threads
+        self._decode.argtypes = [ptr] * 5 + [i32, ptr, ptr] + [i32] * 5 + [ctypes.c_float, i32]
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
         return self.available and dtype == torch.bfloat16 and head_dim == 64
@@ -486,6 +577,51 @@ class PrefillKernel:
             scale,
             out.data_ptr(),
             lse.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return bool(status == 0)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: DecodeBatch,
+        scale: float,
+        out: torch.Tensor,
+    ) -> bool:
+        """Decode rows q [Q, H, D] (``batch`` as for ``DecodeKernel``, query lengths included)
+        into ``out`` [Q, H, D], all bf16, each sequence's history read once through the tiles.
+        False (nothing written) where the C side declines: no AMX."""
+        num_queries, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        tables, seq_lens, query_lens = batch.block_tables, batch.seq_lens, batch.query_lens
+        if not (
+            q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
+            and head_dim == 64
+            and v_cache.shape == k_cache.shape
+            and out.shape == q.shape
+            and num_queries == batch.num_queries
+            and tables.dtype == seq_lens.dtype == torch.int32
+            and tables.stride(-1) == 1
+            and all(t.is_contiguous() for t in (q, k_cache, v_cache, out, seq_lens))
+        ):
+            raise ValueError("decode on tiles: wrong dtype, shape or layout of its inputs")
+        status = self._decode(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            seq_lens.data_ptr(),
+            None if query_lens is None else query_lens.data_ptr(),
+            seq_lens.shape[0],
+            num_heads,
+            num_kv_heads,
+            block_size,
+            batch.max_seq_len,
+            scale,
             torch.get_num_threads(),
         )
         return bool(status == 0)
