@@ -486,7 +486,8 @@ class PrefillKernel:
         self._decode.restype = ctypes.c_int
         # q, k_cache, v_cache, out, tables, table stride, seq lens, query lens, sequences,
         # heads, kv heads, block size, max seq len, scale, threads
-        self._decode.argtypes = [ptr] * 5 + [i32, ptr, ptr] + [i32] * 5 + [ctypes.c_float, i32]
+        self._decode.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, ptr, ptr, i32, i32, i32, i32, i32]
+        self._decode.argtypes += [ctypes.c_float, i32]
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
         return self.available and dtype == torch.bfloat16 and head_dim == 64
