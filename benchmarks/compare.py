@@ -343,6 +343,12 @@ def main() -> None:
             workload, args.dtype, args.num_threads, args.ngram_tokens
         )
         workloads["pagekv-ngram"] = workload
+        if "hf" in engines and args.hf_limit is not None:
+            sub_name = f"pagekv-ngram@{args.hf_limit}"
+            runners[sub_name] = pagekv_runner(
+                subset, args.dtype, args.num_threads, args.ngram_tokens
+            )
+            workloads[sub_name] = subset
     if "hf" in engines:
         hf_name = "hf" if args.hf_limit is None else f"hf@{args.hf_limit}"
         runners[hf_name] = hf_runner(subset, args.dtype, args.hf_batch, args.hf_model)
@@ -397,9 +403,9 @@ def main() -> None:
     for peer in summary:
         if peer.startswith("pagekv"):
             continue
-        ours = [f"pagekv@{args.hf_limit}"] if peer.startswith("hf@") else ["pagekv"]
-        if peer.startswith("vllm"):
-            ours.append("pagekv-ngram")
+        ours = ["pagekv", "pagekv-ngram"]
+        if peer.startswith("hf@"):
+            ours = [f"{name}@{args.hf_limit}" for name in ours]
         for name in (n for n in ours if n in summary):
             ratios[f"{name} / {peer}"] = summary[name] / summary[peer]
             print(f"{name} / {peer} = {ratios[f'{name} / {peer}']:.2f}x")

@@ -20,7 +20,7 @@ python benchmarks/compare.py --workload random --dtype bfloat16 --rounds "${ROUN
     --json-out "$OUT/random_bf16.json" 2>&1 | quiet || echo FAILED
 step random bf16, HF on the first 16 requests
 python benchmarks/compare.py --workload random --dtype bfloat16 --rounds 1 \
-    --num-threads "$THREADS" --engines pagekv,hf --hf-limit 16 \
+    --num-threads "$THREADS" --engines pagekv,pagekv-ngram,hf --hf-limit 16 \
     --json-out "$OUT/random_bf16_hf.json" 2>&1 | quiet || echo FAILED
 step prefix bf16
 python benchmarks/compare.py --workload prefix --dtype bfloat16 --rounds "${ROUNDS:-2}" \
