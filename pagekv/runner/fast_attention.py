@@ -114,6 +114,10 @@ class FastAttention:
         return _group_chunks(self.layout.prefill)
 
     @functools.cached_property
+    def _shared_table(self) -> torch.Tensor:  # once per step; only for cascade attention
+        return self.layout.decode.block_tables[0, : self.layout.decode.shared_blocks]
+
+    @functools.cached_property
     def _prefill_batch(self) -> PrefillBatch:  # once per step; only for the prefill kernel
         return _kernel_batch(self.layout.prefill)
 
@@ -131,17 +135,12 @@ class FastAttention:
         one lacking this dtype/head dim) decode rows use torch ops. Returns [T, H, D], q's dtype.
         """
         k_cache, v_cache = caches
-        out = torch.empty_like(q)  # [T, H, D]
         nd = self.layout.num_decode
-        if nd and not self._decode_on_tiles(q[:nd], k_cache, v_cache, out[:nd]):
-            kernel = self.kernel
-            if kernel is not None and kernel.supports(k_cache.dtype, q.shape[-1]):
-                q_decode = q[:nd].to(k_cache.dtype).contiguous()  # [nd, H, D], no copy if same
-                out[:nd] = self._decode_by_kernels(kernel, q_decode, k_cache, v_cache)
-            else:
-                out[:nd] = decode_attention_torch(
-                    q[:nd], k_cache, v_cache, self.layout.decode, self.scale
-                )
+        if 0 < nd == q.shape[0]:  # a decode step (the common one): no slices, no copies
+            return self._decode(q, k_cache, v_cache, None)
+        out = torch.empty_like(q)  # [T, H, D]
+        if nd:
+            self._decode(q[:nd], k_cache, v_cache, out[:nd])
         if not self.layout.prefill or self._prefill_by_kernel(q, caches, out):
             return out
         for group in self._groups:
@@ -153,20 +152,34 @@ class FastAttention:
                 out[group.rows] = _prefill_group(q, k, v, caches, group, self.scale)
         return out
 
-    def _decode_on_tiles(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
-    ) -> bool:
-        """Drafted decode rows (two or more query tokens per sequence on average) in bf16
-        through the prefill kernel's tiles, when they share no prefix: per sequence and kv head
-        the history is packed once and every token's query heads go through it together."""
-        batch, prefill = self.layout.decode, self.prefill_kernel
-        return (
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The decode rows q [nd, H, D] -> their outputs in q's dtype, in ``out`` if given."""
+        batch, prefill, kernel = self.layout.decode, self.prefill_kernel, self.kernel
+        # Drafted rows (two or more query tokens per sequence on average) that share no prefix,
+        # in bf16: through the prefill kernel's tiles, each history packed once per kv head.
+        if (
             prefill is not None
             and batch.num_queries >= TILES_MIN_QUERIES_PER_SEQ * batch.seq_lens.shape[0]
             and not (batch.shared_blocks and q.shape[0] >= CASCADE_MIN_ROWS)
             and prefill.supports(k_cache.dtype, q.shape[-1])
-            and prefill.decode(q, k_cache, v_cache, batch, self.scale, out)
-        )
+        ):
+            tiles_out = torch.empty_like(q) if out is None else out
+            if prefill.decode(q, k_cache, v_cache, batch, self.scale, tiles_out):
+                return tiles_out
+        if kernel is not None and kernel.supports(k_cache.dtype, q.shape[-1]):
+            q_cache = q.to(k_cache.dtype).contiguous()  # [nd, H, D], no copy if the same
+            result = self._decode_by_kernels(kernel, q_cache, k_cache, v_cache)
+        else:
+            result = decode_attention_torch(q, k_cache, v_cache, batch, self.scale)
+        if out is None:
+            return result.to(q.dtype)
+        return out.copy_(result)
 
     def _decode_by_kernels(
         self, kernel: DecodeKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -185,7 +198,7 @@ class FastAttention:
         ):
             lse = torch.empty(q.shape[:2], dtype=torch.float32)
             out = kernel(q, k_cache, v_cache, batch, self.scale, start=prefix, lse=lse)
-            table = batch.block_tables[0, : batch.shared_blocks]
+            table = self._shared_table
             if prefill.shared_prefix(q, k_cache, v_cache, table, prefix, self.scale, out, lse):
                 return out
         return kernel(q, k_cache, v_cache, batch, self.scale)
