@@ -278,6 +278,44 @@ def test_kernel_matches_torch_decode(
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def _drafted_decodes(
+    seed: int,
+    dtype: torch.dtype,
+    heads: tuple[int, int],
+    query_lens: list[int],
+    seq_lens: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch]:
+    """Drafted decodes: sequence b feeds its last ``query_lens[b]`` positions; block size 16,
+    shuffled blocks, NaN in every slot past each sequence (the last block's tail, unused blocks),
+    so a token reading past its sequence fails. Returns (q, k_cache, v_cache, batch)."""
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seed)
+    block_size = 16
+    width = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * width + 1
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
+    tables = tables.view(len(seq_lens), width).to(torch.int32)
+    for b, n in enumerate(seq_lens):
+        for cache in (k_cache, v_cache):
+            cache[tables[b, (n - 1) // block_size].long(), (n - 1) % block_size + 1 :] = float(
+                "nan"
+            )
+            cache[tables[b, -(-n // block_size) :].long()] = float("nan")
+    batch = DecodeBatch(
+        tables,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        max(seq_lens),
+        query_lens=torch.tensor(query_lens, dtype=torch.int32),
+        num_queries=sum(query_lens),
+        max_query_len=max(query_lens),
+    )
+    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen).to(dtype)
+    return q, k_cache, v_cache, batch
+
+
 @pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel is optional")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (10, 2), (4, 4)])
@@ -290,32 +328,9 @@ def test_kernel_attends_several_query_tokens_of_a_sequence(
     rounding in bf16 (several tokens' scores take the pair-transposed path); close to torch's
     reference; every slot past a sequence is NaN, so a token reading past itself fails."""
     assert KERNEL is not None
-    num_heads, num_kv_heads = heads
-    gen = torch.Generator().manual_seed(7)
-    block_size, query_lens, seq_lens = 16, [1, 5, 3, 1, 8, 2], [1, 37, 300, 64, 9, 130]
-    width = max(-(-n // block_size) for n in seq_lens)
-    num_blocks = len(seq_lens) * width + 1
-    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
-    tables = tables.view(len(seq_lens), width).to(torch.int32)
-    for b, n in enumerate(seq_lens):  # unwritten: the last block's tail, and unused blocks
-        for cache in (k_cache, v_cache):
-            cache[tables[b, (n - 1) // block_size].long(), (n - 1) % block_size + 1 :] = float(
-                "nan"
-            )
-            cache[tables[b, -(-n // block_size) :].long()] = float("nan")
-    lens = torch.tensor(query_lens, dtype=torch.int32)
-    batch = DecodeBatch(
-        tables,
-        torch.tensor(seq_lens, dtype=torch.int32),
-        max(seq_lens),
-        query_lens=lens,
-        num_queries=sum(query_lens),
-        max_query_len=max(query_lens),
-    )
-    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen).to(dtype)
+    query_lens, seq_lens = [1, 5, 3, 1, 8, 2], [1, 37, 300, 64, 9, 130]
+    q, k_cache, v_cache, batch = _drafted_decodes(7, dtype, heads, query_lens, seq_lens)
+    tables = batch.block_tables
     out = KERNEL(q, k_cache, v_cache, batch, SCALE)
     one_by_one = batch.per_query()
     first_tokens = [1, 33, 298, 64, 2, 129]  # one row per query token, up to itself
@@ -356,31 +371,10 @@ def test_drafted_decodes_on_tiles(heads: tuple[int, int]) -> None:
     NaN. ``FastAttention`` takes this path for steps of two or more query tokens per sequence
     on average, and the decode kernel for one token each."""
     assert PREFILL is not None and KERNEL is not None
-    num_heads, num_kv_heads = heads
-    gen = torch.Generator().manual_seed(11)
-    block_size, query_lens, seq_lens = 16, [1, 5, 3, 8, 2, 4], [1, 37, 300, 64, 9, 130]
-    width = max(-(-n // block_size) for n in seq_lens)
-    num_blocks = len(seq_lens) * width + 1
-    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
-    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width]
-    tables = tables.view(len(seq_lens), width).to(torch.int32)
-    for b, n in enumerate(seq_lens):
-        for cache in (k_cache, v_cache):
-            cache[tables[b, (n - 1) // block_size].long(), (n - 1) % block_size + 1 :] = float(
-                "nan"
-            )
-            cache[tables[b, -(-n // block_size) :].long()] = float("nan")
-    batch = DecodeBatch(
-        tables,
-        torch.tensor(seq_lens, dtype=torch.int32),
-        max(seq_lens),
-        query_lens=torch.tensor(query_lens, dtype=torch.int32),
-        num_queries=sum(query_lens),
-        max_query_len=max(query_lens),
-    )
-    q = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    num_kv_heads, block_size = heads[1], 16
+    query_lens, seq_lens = [1, 5, 3, 8, 2, 4], [1, 37, 300, 64, 9, 130]
+    q, k_cache, v_cache, batch = _drafted_decodes(11, torch.bfloat16, heads, query_lens, seq_lens)
+    tables = batch.block_tables
     out = torch.full_like(q, float("nan"))
     assert PREFILL.decode(q, k_cache, v_cache, batch, SCALE, out)
     expected = decode_attention_torch(q, k_cache, v_cache, batch, SCALE)  # float32 inside
@@ -411,6 +405,9 @@ def test_drafted_decodes_on_tiles(heads: tuple[int, int]) -> None:
     assert torch.equal(routed, KERNEL(q1, k_cache, v_cache, one_each, SCALE).to(torch.bfloat16))
     with pytest.raises(ValueError):  # q rows that do not match the query lengths
         PREFILL.decode(q[:-1], k_cache, v_cache, batch, SCALE, out[:-1])
+    short = dataclasses.replace(batch, block_tables=tables[:-1].contiguous())
+    with pytest.raises(ValueError):  # a table row missing: the C side would read past it
+        PREFILL.decode(q, k_cache, v_cache, short, SCALE, out)
 
 
 def _decode_rows_sharing(

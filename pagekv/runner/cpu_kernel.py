@@ -605,6 +605,22 @@ class DecodeBatch:
         ):
             raise ValueError("DecodeBatch: query_lens must be int32 [B], 1 <= each <= seq_len")
 
+    def fits(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether q [Q, H, D] and the caches [num_blocks, block_size, KVH, D] are what a C
+        kernel reading this batch may trust: one dtype, contiguous, Q rows for its queries,
+        int32 tables with a row per sequence."""
+        tables, seq_lens = self.block_tables, self.seq_lens
+        num_seqs = seq_lens.shape[0]
+        return (
+            q.dtype == k_cache.dtype == v_cache.dtype
+            and v_cache.shape == k_cache.shape
+            and all(t.is_contiguous() for t in (q, k_cache, v_cache, seq_lens))
+            and tables.dtype == seq_lens.dtype == torch.int32
+            and tables.stride(-1) == 1
+            and tables.shape[0] == num_seqs
+            and q.shape[0] == (num_seqs if self.query_lens is None else self.num_queries)
+        )
+
     def per_query(self) -> DecodeBatch:
         """The same attention with one row per query token (for the torch fallback)."""
         if self.query_lens is None:
@@ -696,21 +712,14 @@ class DecodeKernel:
         whatever the input dtype. ``lse`` (float32 [Q, H]), if given, receives each head's
         log-sum-exp of its scaled scores, to merge this part with attention over [0, start).
         """
-        num_queries, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
-        tables, seq_lens, query_lens = batch.block_tables, batch.seq_lens, batch.query_lens
+        seq_lens, query_lens = batch.seq_lens, batch.query_lens
         num_seqs = seq_lens.shape[0]
         first = seq_lens if query_lens is None else seq_lens - query_lens + 1
         # The C side trusts its pointers: check what a wrong caller would get silently wrong.
         if not (
-            q.dtype == k_cache.dtype
-            and all(t.is_contiguous() for t in (q, k_cache, v_cache, seq_lens))
-            and tables.dtype == seq_lens.dtype == torch.int32
-            and tables.stride(-1) == 1
-            and tables.shape[0] == num_seqs
-            and num_queries == (num_seqs if query_lens is None else batch.num_queries)
-            and v_cache.shape == k_cache.shape
-            and v_cache.dtype == k_cache.dtype
+            batch.fits(q, k_cache, v_cache)
             and (lse is None or (lse.dtype == torch.float32 and lse.shape == q.shape[:2]))
             and (lse is None or lse.is_contiguous())
             and (start == 0 or 0 < start < int(first.min()))

@@ -594,18 +594,15 @@ class PrefillKernel:
         """Decode rows q [Q, H, D] (``batch`` as for ``DecodeKernel``, query lengths included)
         into ``out`` [Q, H, D], all bf16, each sequence's history read once through the tiles.
         False (nothing written) where the C side declines: no AMX."""
-        num_queries, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         tables, seq_lens, query_lens = batch.block_tables, batch.seq_lens, batch.query_lens
         if not (
-            q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
+            batch.fits(q, k_cache, v_cache)
+            and q.dtype == out.dtype == torch.bfloat16
             and head_dim == 64
-            and v_cache.shape == k_cache.shape
             and out.shape == q.shape
-            and num_queries == batch.num_queries
-            and tables.dtype == seq_lens.dtype == torch.int32
-            and tables.stride(-1) == 1
-            and all(t.is_contiguous() for t in (q, k_cache, v_cache, out, seq_lens))
+            and out.is_contiguous()
         ):
             raise ValueError("decode on tiles: wrong dtype, shape or layout of its inputs")
         status = self._decode(
