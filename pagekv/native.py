@@ -26,12 +26,26 @@ from pathlib import Path
 # must match torch's separate roundings adds -ffp-contract=off (the fused layer ops do).
 BASE_CXX_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
-# C++ shared by the AMX kernels (the fused ops' matmul, the prefill attention): the tile
-# permission, one tile configuration for all of them, and float32 -> bfloat16 rounding.
-AMX_SOURCE = r"""
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+# C++ shared by the bf16 kernels (the fused ops' matmul, the prefill attention): float32 ->
+# bfloat16 rounding for any AVX-512 CPU; the tile permission and one tile configuration for all
+# of them where the CPU has AMX.
+BF16_SOURCE = r"""
+#if defined(__AVX512F__)
 #include <cstdint>
 #include <immintrin.h>
+
+// 16 float32 -> bfloat16, rounded to nearest even as torch does; NaN stays NaN.
+static inline __m256i round_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -51,17 +65,6 @@ static inline void configure_tiles() {
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);
-}
-
-// 16 float32 -> bfloat16, rounded to nearest even as torch does; NaN stays NaN.
-static inline __m256i round_bf16x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
 }
 #endif
 """

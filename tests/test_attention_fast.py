@@ -5,6 +5,7 @@ that ``prepare_step`` builds from a plan."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,21 @@ from pagekv.runner.fast_attention import (
 
 KERNEL = cpu_kernel.load()
 PREFILL = prefill_kernel.load()
-needs_prefill_kernel = pytest.mark.skipif(
-    PREFILL is None or not PREFILL.available,
-    reason="the prefill kernel needs a compiler and AMX-BF16 (and Linux)",
-)
+
+
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def prefill_unit(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The prefill kernel on each unit this CPU has (tiles, vectors), switched back after."""
+    if PREFILL is None or not PREFILL.available:
+        pytest.skip("the prefill kernel needs a compiler and AVX512-BF16")
+    default = PREFILL.backend
+    if not PREFILL.use_backend(request.param):
+        pytest.skip(f"no {request.param} on this CPU")
+    yield request.param
+    assert default is not None and PREFILL.use_backend(default)
+
+
+needs_prefill_kernel = pytest.mark.usefixtures("prefill_unit")
 BACKENDS = [
     "torch",
     pytest.param(

@@ -242,7 +242,7 @@ extern "C" int skinny_linear_max_rows() { return 0; }
 #include <omp.h>
 #include <vector>
 """
-    + native.AMX_SOURCE
+    + native.BF16_SOURCE
     + r"""
 static const int AMX_MAX_ROWS = 256;  // about even with oneDNN here; above, oneDNN's turn
 

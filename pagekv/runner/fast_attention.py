@@ -1,13 +1,13 @@
 """Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
-through the AMX prefill kernel (bf16) or SDPA; drafted decodes (several tokens a sequence) in
-bf16 through the prefill kernel's tiles too. Agrees with ``paged_attention_reference``
-(tests/test_attention_fast.py).
+through the prefill kernel (bf16: AMX tiles or AVX512-BF16 vectors) or SDPA; drafted decodes
+(several tokens a sequence) in bf16 through the prefill kernel's tiles too. Agrees with
+``paged_attention_reference`` (tests/test_attention_fast.py).
 
 Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
 ``KVCache``. Why two paths: a decode row is one query over a long history, where the cost is
 reading K/V, so the kernel reads every cached row in place, once; a prefill chunk is many
 queries, where the cost is the QK^T and PV products, so blocked products win: in bf16 the
-prefill kernel's AMX tiles (prefill_kernel.py, all chunks in one call, K/V read through the
+prefill kernel's tiles (prefill_kernel.py, all chunks in one call, K/V read through the
 blocks), otherwise SDPA's. The reference instead pads every row to the longest query and the
 longest history of the batch.
 
@@ -186,7 +186,7 @@ class FastAttention:
     ) -> torch.Tensor:
         """The decode rows, float32 [nd, H, D]. In bf16, when the rows share a prefix (a system
         prompt, n samples of one prompt), cascade attention: the prefill kernel attends the
-        prefix once for all rows on AMX tiles, the decode kernel each row's own rest, and the
+        prefix once for all rows in tiles, the decode kernel each row's own rest, and the
         two parts are merged by their log-sum-exp. Otherwise the decode kernel alone."""
         batch, prefill = self.layout.decode, self.prefill_kernel
         prefix = batch.shared_blocks * k_cache.shape[1]
