@@ -3,6 +3,7 @@ op by op on random data, through a whole random model, and how the runner picks 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -203,20 +204,31 @@ def test_skinny_linear_takes_only_its_shapes() -> None:
     torch.testing.assert_close(ops.linear(x32, w32, None, None), x32 @ w32.T, atol=0, rtol=0)
 
 
-HAS_AMX = FUSED is not None and FUSED._amx_max_rows > 0
-needs_amx = pytest.mark.skipif(not HAS_AMX, reason="the AMX matmul needs AMX-BF16 (and Linux)")
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def matmul_unit(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The tiled matmul on each unit this CPU has (tiles, vectors), switched back after."""
+    if FUSED is None or FUSED.matmul_unit is None:
+        pytest.skip("the tiled matmul needs AVX512-BF16 (and a compiler)")
+    default = FUSED.matmul_unit
+    if not FUSED.use_matmul_unit(request.param):
+        pytest.skip(f"no {request.param} on this CPU")
+    yield request.param
+    assert FUSED.use_matmul_unit(default)
+
+
+needs_tiles = pytest.mark.usefixtures("matmul_unit")
 
 
 @needs_fused
-@needs_amx
+@needs_tiles
 @pytest.mark.parametrize("rows", [5, 16, 17, 64, 255, 256])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 96)], ids=str)
-def test_amx_linear_is_within_a_bf16_ulp_and_batch_invariant(
+def test_tiled_linear_is_within_a_bf16_ulp_and_batch_invariant(
     rows: int, shape: tuple[int, int]
 ) -> None:
-    """Decode batches of 5-256 rows through the AMX tiles: float32 sums rounded once, within a
-    bf16 ulp of torch's and of the correctly rounded product; and a row's numbers are the same
-    whatever else is in the batch (oneDNN's are not above 32 rows)."""
+    """Decode batches of 5-256 rows through the tiles (AMX or vectors): float32 sums rounded
+    once, within a bf16 ulp of torch's and of the correctly rounded product; and a row's
+    numbers are the same whatever else is in the batch (oneDNN's are not above 32 rows)."""
     n, k = shape
     ops = _fused()
     weight = _randn(n, k, dtype=torch.bfloat16, seed=1) * 0.05
@@ -241,8 +253,8 @@ def test_amx_linear_is_within_a_bf16_ulp_and_batch_invariant(
 
 
 @needs_fused
-@needs_amx
-def test_amx_linear_takes_only_its_shapes() -> None:
+@needs_tiles
+def test_tiled_linear_takes_only_its_shapes() -> None:
     """Weights whose sides are not multiples of 32 keep oneDNN's packing; more than 256 rows, a
     bias, or float32 go to ``layer_ops.linear`` (bit-identical to torch); tiles that do not
     match the weight are refused before the C side reads them."""
@@ -289,7 +301,7 @@ def test_whole_model_logits(dtype: torch.dtype, num_tokens: int, changes: dict) 
     ids = [(3 + 17 * i) % 60 for i in range(num_tokens)]
     expected = _logits(model, ids)
     model.use_layer_ops(_fused())
-    model.pack_weights()  # bf16: AMX tiles where the sides allow, oneDNN's copies elsewhere
+    model.pack_weights()  # bf16: tiles where the sides allow, oneDNN's copies elsewhere
     got = _logits(model, ids)
     model.use_layer_ops(TORCH_OPS)
     assert model.packed_head is None  # the fused ops' packed copies went with them

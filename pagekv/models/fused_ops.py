@@ -229,24 +229,27 @@ extern "C" int skinny_linear_bf16(const void*, const void*, void*, long, long, l
 extern "C" int skinny_linear_max_rows() { return 0; }
 #endif
 
-// AMX matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for the decode batches the skinny
-// kernel leaves (5 to 256 rows), with w packed once at load (amx_pack_bf16) into the tiles the
-// tile unit multiplies: [N/16][K/32] tiles, each 16 k-pairs x 16 columns x 2 (the VNNI layout).
-// Each thread owns a range of 32-column stripes and streams their tiles once, prefetching the
-// next stripe into L2 while it multiplies this one, spread evenly over all its passes (one
-// pass per two row blocks): up to 32 rows at memory speed, ~1.7x oneDNN's rate; a whole step's
-// matmuls at 48-64 rows 1.12-1.19x faster than when only the first pass prefetched (the memory
-// idled through the later passes), measured. Every output row is summed in one order, k
-// ascending 32 at a time, whatever M is, so a row's numbers do not depend on the batch it is in.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Tiled matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for the decode batches the skinny
+// kernel leaves (5 to 256 rows), with w packed once at load (tiles_pack_bf16) into AMX's tiles:
+// [N/16][K/32] tiles, each 16 k-pairs x 16 columns x 2 (the VNNI layout). Each thread owns a
+// range of 32-column stripes and streams their tiles once, prefetching the next stripe into L2
+// while it multiplies this one, spread evenly over all its passes over the stripe. Two units
+// multiply: AMX tiles, two 16-row blocks a pass (up to 32 rows at memory speed, ~1.7x oneDNN's
+// rate; whole steps at 48-64 rows 1.12-1.19x faster than when only the first pass prefetched,
+// measured), or, on CPUs with AVX512-BF16 and no AMX (AMD Zen 4/5), vdpbf16ps with up to 12
+// rows x 32 columns of sums in registers, a tile row of w loaded once for all of them. Every
+// output row is summed in one order, k ascending, whatever M is, so a row's numbers do not
+// depend on the batch it is in.
+#if defined(__AVX512BF16__)
+#include <cstring>
 #include <omp.h>
 #include <vector>
 """
     + native.BF16_SOURCE
     + r"""
-static const int AMX_MAX_ROWS = 256;  // about even with oneDNN here; above, oneDNN's turn
+static const int TILED_MAX_ROWS = 256;  // about even with oneDNN here; above, oneDNN's turn
 
-extern "C" void amx_pack_bf16(const void* w, void* packed, long N, long K) {
+extern "C" void tiles_pack_bf16(const void* w, void* packed, long N, long K) {
     const uint16_t* ws = (const uint16_t*)w;
     uint16_t* ps = (uint16_t*)packed;
     #pragma omp parallel for
@@ -260,6 +263,20 @@ extern "C" void amx_pack_bf16(const void* w, void* packed, long N, long K) {
         }
 }
 
+// Prefetch of the next stripe (two tile rows of `lines` cache lines each, from `next`), spread
+// over every k step of every pass: this step's share.
+static inline void prefetch_share(const uint16_t* next, long KB, long kb, long pass,
+                                  long passes) {
+    if (next == nullptr) return;
+    const long step = pass * KB + kb, lines = KB * 16, steps = passes * KB;
+    const long l0 = lines * step / steps, l1 = lines * (step + 1) / steps;
+    for (long line = l0; line < l1; ++line) {
+        _mm_prefetch((const char*)next + line * 64, _MM_HINT_T1);
+        _mm_prefetch((const char*)(next + KB * 512) + line * 64, _MM_HINT_T1);
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // Row blocks b0 (and b0 + 1 if TWO) of x against one 32-column stripe (tiles b and b + KB*512):
 // pass `pass` of `passes` over this stripe, which prefetches its share of the next stripe.
 template <bool TWO>
@@ -272,14 +289,7 @@ static inline void amx_block(const uint16_t* a0, const uint16_t* a1, const uint1
     _tile_zero(1);
     if (TWO) { _tile_zero(2); _tile_zero(3); }
     for (long kb = 0; kb < KB; ++kb) {
-        if (next != nullptr) {  // lines [l0, l1) of each of the next stripe's two tile rows
-            const long step = pass * KB + kb, lines = KB * 16, steps = passes * KB;
-            const long l0 = lines * step / steps, l1 = lines * (step + 1) / steps;
-            for (long line = l0; line < l1; ++line) {
-                _mm_prefetch((const char*)next + line * 64, _MM_HINT_T1);
-                _mm_prefetch((const char*)(next + KB * 512) + line * 64, _MM_HINT_T1);
-            }
-        }
+        prefetch_share(next, KB, kb, pass, passes);
         _tile_loadd(4, a0 + kb * 32, K * 2);
         _tile_loadd(6, b + kb * 512, 64);
         _tile_loadd(7, b1 + kb * 512, 64);
@@ -302,9 +312,8 @@ static inline void amx_block(const uint16_t* a0, const uint16_t* a1, const uint1
         }
 }
 
-extern "C" int amx_linear_bf16(const void* x, const void* packed, void* out, long M, long K,
-                               long N, int threads) {
-    if (M < 1 || M > AMX_MAX_ROWS || K % 32 != 0 || N % 32 != 0 || !amx_permitted()) return -1;
+static void amx_linear(const void* x, const void* packed, void* out, long M, long K, long N,
+                       int threads) {
     const uint16_t* xs = (const uint16_t*)x;
     const uint16_t* ps = (const uint16_t*)packed;
     uint16_t* os = (uint16_t*)out;
@@ -335,15 +344,100 @@ extern "C" int amx_linear_bf16(const void* x, const void* packed, void* out, lon
         }
         _tile_release();
     }
+}
+#endif
+
+// Rows [0, R) of x (row stride K) against one 32-column stripe: R x 32 sums in registers.
+template <int R>
+static inline void vector_block(const uint16_t* x, const uint16_t* b, const uint16_t* next,
+                                uint16_t* out, long K, long N, long pass, long passes) {
+    const long KB = K / 32;
+    const uint16_t* b1 = b + KB * 512;
+    __m512 acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (long kb = 0; kb < KB; ++kb) {
+        prefetch_share(next, KB, kb, pass, passes);
+        for (int r = 0; r < 16; ++r) {  // k pair 16 kb + r
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b + kb * 512 + r * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kb * 512 + r * 32);
+            for (int m = 0; m < R; ++m) {
+                int32_t bits;
+                std::memcpy(&bits, x + m * K + kb * 32 + 2 * r, 4);
+                const __m512bh xm = (__m512bh)_mm512_set1_epi32(bits);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, w0);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, w1);
+            }
+        }
+    }
+    for (int m = 0; m < R; ++m) {
+        _mm256_storeu_si256((__m256i*)(out + m * N), round_bf16x16(acc[m][0]));
+        _mm256_storeu_si256((__m256i*)(out + m * N + 16), round_bf16x16(acc[m][1]));
+    }
+}
+
+static const int VECTOR_ROWS = 12;  // 24 sums, 2 weight rows and a broadcast: 27 registers
+
+template <int R>
+static void vector_rows(const uint16_t* x, long rows, const uint16_t* b, const uint16_t* next,
+                        uint16_t* out, long K, long N, long pass, long passes) {
+    if (rows == R) return vector_block<R>(x, b, next, out, K, N, pass, passes);
+    if constexpr (R > 1) vector_rows<R - 1>(x, rows, b, next, out, K, N, pass, passes);
+}
+
+static void vector_linear(const void* x, const void* packed, void* out, long M, long K, long N,
+                          int threads) {
+    const uint16_t* xs = (const uint16_t*)x;
+    const uint16_t* ps = (const uint16_t*)packed;
+    uint16_t* os = (uint16_t*)out;
+    const long KB = K / 32, stripes = N / 32, passes = (M + VECTOR_ROWS - 1) / VECTOR_ROWS;
+    #pragma omp parallel num_threads(threads)
+    {
+        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
+        for (long s = s0; s < s1; ++s) {
+            const uint16_t* b = ps + s * 2 * KB * 512;
+            const uint16_t* next = s + 1 < s1 ? b + 2 * KB * 512 : nullptr;
+            for (long pass = 0; pass < passes; ++pass) {  // rows split evenly over passes
+                const long m0 = M * pass / passes, rows = M * (pass + 1) / passes - m0;
+                vector_rows<VECTOR_ROWS>(xs + m0 * K, rows, b, next, os + m0 * N + s * 32, K,
+                                         N, pass, passes);
+            }
+        }
+    }
+}
+
+// 2: AMX tiles (where built for them and Linux grants them), 1: AVX512-BF16 vectors.
+static int best_unit() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return amx_permitted() ? 2 : 1;
+#else
+    return 1;
+#endif
+}
+
+extern "C" int tiles_linear_bf16(const void* x, const void* packed, void* out, long M, long K,
+                                 long N, int unit, int threads) {
+    if (M < 1 || M > TILED_MAX_ROWS || K % 32 != 0 || N % 32 != 0 || unit > best_unit())
+        return -1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (unit == 2) {
+        amx_linear(x, packed, out, M, K, N, threads);
+        return 0;
+    }
+#endif
+    if (unit != 1) return -1;
+    vector_linear(x, packed, out, M, K, N, threads);
     return 0;
 }
-extern "C" int amx_linear_max_rows() { return amx_permitted() ? AMX_MAX_ROWS : 0; }
+extern "C" int tiles_linear_max_rows() { return TILED_MAX_ROWS; }
+extern "C" int tiles_linear_unit() { return best_unit(); }
 #else
-extern "C" void amx_pack_bf16(const void*, void*, long, long) {}
-extern "C" int amx_linear_bf16(const void*, const void*, void*, long, long, long, int) {
-    return -1;  // no AMX here: the caller keeps oneDNN's matmul
+extern "C" void tiles_pack_bf16(const void*, void*, long, long) {}
+extern "C" int tiles_linear_bf16(const void*, const void*, void*, long, long, long, int, int) {
+    return -1;  // no AVX512-BF16 here: the caller keeps oneDNN's matmul
 }
-extern "C" int amx_linear_max_rows() { return 0; }
+extern "C" int tiles_linear_max_rows() { return 0; }
+extern "C" int tiles_linear_unit() { return 0; }
 #endif
 
 #define ENTRIES(SUFFIX, T)                                                                    \
@@ -368,6 +462,7 @@ ENTRIES(bf16, uint16_t)
 )
 
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_UNITS = {2: "amx", 1: "avx512-bf16"}  # the C side's codes of what multiplies tiles
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES: dict[str, list[type]] = {
     "add_rms_norm": [_P, _P, _P, _P, _L, _L, ctypes.c_float, _I],
@@ -396,14 +491,17 @@ class FusedOps:
         self._skinny.argtypes = [_P, _P, _P, _L, _L, _L, _I]
         library.skinny_linear_max_rows.restype = ctypes.c_int
         self._skinny_max_rows = int(library.skinny_linear_max_rows())  # 0: not on this CPU
-        self._amx = library.amx_linear_bf16
-        self._amx.restype = ctypes.c_int
-        self._amx.argtypes = [_P, _P, _P, _L, _L, _L, _I]
-        self._amx_pack = library.amx_pack_bf16
-        self._amx_pack.restype = None
-        self._amx_pack.argtypes = [_P, _P, _L, _L]
-        library.amx_linear_max_rows.restype = ctypes.c_int
-        self._amx_max_rows = int(library.amx_linear_max_rows())  # 0: no AMX (or not granted)
+        self._tiled = library.tiles_linear_bf16
+        self._tiled.restype = ctypes.c_int
+        self._tiled.argtypes = [_P, _P, _P, _L, _L, _L, _I, _I]
+        self._tiles_pack = library.tiles_pack_bf16
+        self._tiles_pack.restype = None
+        self._tiles_pack.argtypes = [_P, _P, _L, _L]
+        library.tiles_linear_max_rows.restype = ctypes.c_int
+        library.tiles_linear_unit.restype = ctypes.c_int
+        self._tiles_max_rows = int(library.tiles_linear_max_rows())  # 0: no AVX512-BF16
+        self._best_unit = int(library.tiles_linear_unit())
+        self._unit = self._best_unit  # which multiplies the tiles: 2 AMX, 1 vectors
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -479,13 +577,26 @@ class FusedOps:
         )
         return q, k, v
 
+    @property
+    def matmul_unit(self) -> str | None:
+        """What multiplies packed tiles: "amx", "avx512-bf16" (vectors), or None (no tiles)."""
+        return _UNITS.get(self._unit) if self._tiles_max_rows else None
+
+    def use_matmul_unit(self, name: str) -> bool:
+        """Multiply tiles on "amx" or "avx512-bf16" where this CPU has it (tests compare the
+        two; the packed layout is the same). True if now in use."""
+        code = next((c for c, n in _UNITS.items() if n == name), 0)
+        if 0 < code <= self._best_unit:
+            self._unit = code
+        return self._unit == code
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The AMX kernel's tiles of a bf16 [out, in] weight whose sides are multiples of 32, on
-        CPUs with AMX: a [out / 16, in / 32, 16, 32] tensor, the same numbers reordered;
-        otherwise ``layer_ops.pack`` (oneDNN's copy, or None)."""
+        """The tiled kernel's tiles of a bf16 [out, in] weight whose sides are multiples of 32,
+        on CPUs with AVX512-BF16: a [out / 16, in / 32, 16, 32] tensor, the same numbers
+        reordered; otherwise ``layer_ops.pack`` (oneDNN's copy, or None)."""
         out_features, in_features = weight.shape
         if not (
-            self._amx_max_rows
+            self._tiles_max_rows
             and weight.dtype == torch.bfloat16
             and weight.is_contiguous()
             and out_features % 32 == 0
@@ -493,7 +604,7 @@ class FusedOps:
         ):
             return layer_ops.pack(weight)
         packed = torch.empty((out_features // 16, in_features // 32, 16, 32), dtype=torch.bfloat16)
-        self._amx_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+        self._tiles_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
         return packed
 
     def linear(
@@ -504,30 +615,33 @@ class FusedOps:
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """bf16 without bias: at up to 4 rows (the C side's ``SKINNY_MAX_ROWS``; none on CPUs
-        without AVX512-BF16) the skinny C matmul; at up to 256 rows with AMX tiles from
-        ``pack`` the AMX kernel. Both are within a bf16 ulp of torch's matmul and stream a
-        step's weights faster than oneDNN up to 32 rows (about even above). Otherwise
-        ``layer_ops.linear``."""
+        without AVX512-BF16) the skinny C matmul; at up to 256 rows with tiles from ``pack``
+        the tiled kernel (AMX, or vectors). Both are within a bf16 ulp of torch's matmul and
+        stream a step's weights faster than oneDNN up to 32 rows (about even above).
+        Otherwise ``layer_ops.linear``."""
         rows, width = x.shape
         tiles = packed is not None and packed.dim() == 4  # ours, not oneDNN's
-        kernel, operand = None, None  # the C matmul for this shape and what it reads
         if (
             x.dtype == weight.dtype == torch.bfloat16
             and bias is None
             and x.is_contiguous()
             and weight.shape[1] == width
         ):
+            out_features = weight.shape[0]
+            # the C matmul for this shape, what it reads, its extra arguments
+            chosen: tuple[Any, torch.Tensor, tuple[int, ...]] | None = None
             if rows <= self._skinny_max_rows and width % 32 == 0 and weight.is_contiguous():
-                kernel, operand = self._skinny, weight
-            elif packed is not None and tiles and rows <= self._amx_max_rows:
-                if packed.shape != (weight.shape[0] // 16, width // 32, 16, 32):
+                chosen = (self._skinny, weight, ())
+            elif packed is not None and tiles and rows <= self._tiles_max_rows:
+                if packed.shape != (out_features // 16, width // 32, 16, 32):
                     raise ValueError("fused linear: packed tiles do not match the weight")
-                kernel, operand = self._amx, packed
-        if kernel is not None and operand is not None:
-            out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-            args = (x.data_ptr(), operand.data_ptr(), out.data_ptr(), rows, width)
-            if kernel(*args, weight.shape[0], _threads()) == 0:  # else: declined, use torch
-                return out
+                chosen = (self._tiled, packed, (self._unit,))
+            if chosen is not None:
+                kernel, operand, extra = chosen
+                out = torch.empty((rows, out_features), dtype=x.dtype)
+                args = (x.data_ptr(), operand.data_ptr(), out.data_ptr(), rows, width)
+                if kernel(*args, out_features, *extra, _threads()) == 0:  # else: use torch
+                    return out
         return layer_ops.linear(x, weight, None if tiles else packed, bias)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
