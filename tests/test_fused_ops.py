@@ -264,7 +264,8 @@ def test_tiled_linear_takes_only_its_shapes() -> None:
     assert packed is not None and packed.dim() == 4
     ragged = ops.pack(_randn(48, 576, dtype=torch.bfloat16))
     assert ragged is None or ragged.dim() == 2  # oneDNN's copy, not tiles
-    assert ops.pack(weight.float()) is None
+    float32 = ops.pack(weight.float())
+    assert float32 is None or float32.dim() == 2  # oneDNN's copy: tiles are bf16 only
     for x, bias in (
         (_randn(257, 576, dtype=torch.bfloat16), None),
         (_randn(8, 576, dtype=torch.bfloat16), weight[:, 0].contiguous()),

@@ -1,4 +1,5 @@
-"""oneDNN-prepacked bf16 weights (``LlamaForCausalLM.pack_weights``) change speed, not numbers."""
+"""oneDNN-prepacked weights (``LlamaForCausalLM.pack_weights``) change speed, not numbers (bf16), or
+only their float32 rounding."""
 
 from __future__ import annotations
 
@@ -70,8 +71,14 @@ def _hf_named(model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]]:
     return [(name, view.clone()) for name, view in model._targets().items()]
 
 
-def test_float32_model_is_not_packed() -> None:
+@needs_packing
+def test_packed_float32_model_agrees_within_float32_rounding() -> None:
+    """float32: oneDNN's packed kernels instead of MKL's sgemm: other sums, the same math."""
     model = _random_model(torch.float32)
+    ids = [(3 + 17 * i) % 60 for i in range(9)]
+    plain = _logits(model, ids)
     model.pack_weights()
-    assert all(v is None for v in _layer(model).packed.values())
-    assert model.packed_head is None
+    assert all(p is not None for p in _layer(model).packed.values())
+    packed = _logits(model, ids)
+    torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-5)
+    assert torch.equal(packed.argmax(-1), plain.argmax(-1))
