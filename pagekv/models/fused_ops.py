@@ -71,13 +71,14 @@ static inline float exp_any(float x) {
     x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
     const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2): 1.5 * 2^23
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    // fused multiply-adds (this file is built without contraction, for the exact ops)
     float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p * r, r, r + 1.f);
     const int32_t bits = (int32_t(n) + 127) << 23;
     return p * __builtin_bit_cast(float, bits) * big;
 }
