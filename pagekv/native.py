@@ -28,7 +28,7 @@ BASE_CXX_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17")
 
 # C++ shared by the bf16 kernels (the fused ops' matmul, the prefill attention): float32 ->
 # bfloat16 rounding for any AVX-512 CPU; the tile permission and one tile configuration for all
-# of them where the CPU has AMX.
+# of them where the CPU has AMX; which unit multiplies tiles.
 BF16_SOURCE = r"""
 #if defined(__AVX512F__)
 #include <cstdint>
@@ -67,7 +67,20 @@ static inline void configure_tiles() {
     _tile_loadconfig(&cfg);
 }
 #endif
+#if defined(__AVX512F__)
+// What multiplies packed bf16 tiles here (the codes of TILE_UNITS): 2, AMX (built for it and
+// granted by Linux); 1, AVX512-BF16 vector dot products reading the same tiles.
+static int best_tile_unit() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return amx_permitted() ? 2 : 1;
+#else
+    return 1;
+#endif
+}
+#endif
 """
+# best_tile_unit()'s codes, by name (the kernels' ``backend`` / ``matmul_unit``).
+TILE_UNITS = {2: "amx", 1: "avx512-bf16"}
 
 
 logger = logging.getLogger("pagekv")

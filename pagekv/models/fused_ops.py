@@ -407,18 +407,9 @@ static void vector_linear(const void* x, const void* packed, void* out, long M, 
     }
 }
 
-// 2: AMX tiles (where built for them and Linux grants them), 1: AVX512-BF16 vectors.
-static int best_unit() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    return amx_permitted() ? 2 : 1;
-#else
-    return 1;
-#endif
-}
-
 extern "C" int tiles_linear_bf16(const void* x, const void* packed, void* out, long M, long K,
                                  long N, int unit, int threads) {
-    if (M < 1 || M > TILED_MAX_ROWS || K % 32 != 0 || N % 32 != 0 || unit > best_unit())
+    if (M < 1 || M > TILED_MAX_ROWS || K % 32 != 0 || N % 32 != 0 || unit > best_tile_unit())
         return -1;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (unit == 2) {
@@ -431,7 +422,7 @@ extern "C" int tiles_linear_bf16(const void* x, const void* packed, void* out, l
     return 0;
 }
 extern "C" int tiles_linear_max_rows() { return TILED_MAX_ROWS; }
-extern "C" int tiles_linear_unit() { return best_unit(); }
+extern "C" int tiles_linear_unit() { return best_tile_unit(); }
 #else
 extern "C" void tiles_pack_bf16(const void*, void*, long, long) {}
 extern "C" int tiles_linear_bf16(const void*, const void*, void*, long, long, long, int, int) {
@@ -463,7 +454,6 @@ ENTRIES(bf16, uint16_t)
 )
 
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_UNITS = {2: "amx", 1: "avx512-bf16"}  # the C side's codes of what multiplies tiles
 _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _SIGNATURES: dict[str, list[type]] = {
     "add_rms_norm": [_P, _P, _P, _P, _L, _L, ctypes.c_float, _I],
@@ -581,12 +571,12 @@ class FusedOps:
     @property
     def matmul_unit(self) -> str | None:
         """What multiplies packed tiles: "amx", "avx512-bf16" (vectors), or None (no tiles)."""
-        return _UNITS.get(self._unit) if self._tiles_max_rows else None
+        return native.TILE_UNITS.get(self._unit) if self._tiles_max_rows else None
 
     def use_matmul_unit(self, name: str) -> bool:
         """Multiply tiles on "amx" or "avx512-bf16" where this CPU has it (tests compare the
         two; the packed layout is the same). True if now in use."""
-        code = next((c for c, n in _UNITS.items() if n == name), 0)
+        code = next((c for c, n in native.TILE_UNITS.items() if n == name), 0)
         if 0 < code <= self._best_unit:
             self._unit = code
         return self._unit == code

@@ -73,18 +73,9 @@ static const int PAD = 64;        // keys are packed to a multiple of this (4 sc
 
 struct Chunk { int64_t q_start, num_tokens, seq_len, table_offset; };
 
-// Which unit multiplies the packed operands: 2, AMX tiles (where built for them and Linux grants
-// them); 1, AVX512-BF16 vector dot products reading the same layout; chosen once, or by
-// prefill_kernel_backend.
-static int backend() {
-#if HAVE_TILES
-    static int chosen = amx_permitted() ? 2 : 1;
-#else
-    static int chosen = 1;
-#endif
-    return chosen;
-}
-static int& backend_choice() { static int choice = backend(); return choice; }
+// Which unit multiplies the packed operands (best_tile_unit's codes): the best one here, or
+// the one prefill_kernel_backend chose.
+static int& backend_choice() { static int choice = best_tile_unit(); return choice; }
 static inline bool tiles_on() { return HAVE_TILES && backend_choice() == 2; }
 
 // Entered and left once per thread of a parallel region that may use the tiles.
@@ -548,7 +539,7 @@ extern "C" int decode_attention_bf16_d64(const void* q, const void* kc, const vo
 // The unit in use (2 tiles, 1 vectors); `request` 1 or 2 switches to it where it can (tests
 // run both units on a CPU with AMX), anything else only asks.
 extern "C" int prefill_kernel_backend(int request) {
-    if (request == 1 || (request == 2 && backend() == 2)) backend_choice() = request;
+    if (request == 1 || (request == 2 && best_tile_unit() == 2)) backend_choice() = request;
     return backend_choice();
 }
 #else
@@ -571,9 +562,6 @@ extern "C" int decode_attention_bf16_d64(const void*, const void*, const void*, 
 #endif
 """
 )
-
-
-_BACKENDS = {2: "amx", 1: "avx512-bf16"}  # the C side's codes
 
 
 @dataclass(frozen=True)
@@ -614,12 +602,12 @@ class PrefillKernel:
     @property
     def backend(self) -> str | None:
         """The unit that multiplies: "amx" (tiles), "avx512-bf16" (vectors), or None."""
-        return _BACKENDS.get(self._backend(0))
+        return native.TILE_UNITS.get(self._backend(0))
 
     def use_backend(self, name: str) -> bool:
         """Switch to "amx" or "avx512-bf16" where this CPU has it (for every caller of the
         process: tests compare the two). True if now in use."""
-        code = next((c for c, n in _BACKENDS.items() if n == name), 0)
+        code = next((c for c, n in native.TILE_UNITS.items() if n == name), 0)
         return bool(code) and self._backend(code) == code
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
