@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from test_models import _tiny_config
 from test_packed_weights import _logits, _random_model
 
 from pagekv import native
-from pagekv.models import fused_ops
-from pagekv.models.layer_ops import TORCH_OPS, LayerOps
+from pagekv.models import fused_ops, layer_ops
+from pagekv.models.layer_ops import TORCH_OPS, LayerOps, Linear
 from pagekv.models.rope import apply_rope
 
 FUSED = fused_ops.load()
@@ -276,6 +277,110 @@ def test_tiled_linear_takes_only_its_shapes() -> None:
         ops.linear(_randn(8, 576, dtype=torch.bfloat16), weight[:32], packed, None)
 
 
+def _layer_weights(ops: LayerOps, qkv_bias: bool = False) -> dict[str, Any]:
+    """One SmolLM2-shaped layer's weights as the ops take them (packed by ``ops``); a bias only
+    on q/k/v, as in Qwen2."""
+
+    def projection(out_features: int, in_features: int, seed: int) -> Linear:
+        weight = _randn(out_features, in_features, dtype=torch.bfloat16, seed=seed) * 0.05
+        return Linear(weight, ops.pack(weight))
+
+    qkv = projection(960, 576, 3)
+    if qkv_bias:
+        qkv = qkv._replace(bias=_randn(960, dtype=torch.bfloat16, seed=9))
+    return {
+        "norms": [_randn(576, dtype=torch.bfloat16, seed=s) * 0.3 + 1 for s in (1, 2)],
+        "qkv": qkv,
+        "o_proj": projection(576, 576, 4),
+        "gate_up": projection(3072, 576, 5),
+        "down": projection(576, 1536, 6),
+    }
+
+
+class _OneByOne:
+    """Some ops, each layer half composed of their single ops (``layer_ops``' functions)."""
+
+    def __init__(self, ops: LayerOps) -> None:
+        self.ops = ops
+
+    def attention_inputs(self, *args: Any) -> Any:
+        return layer_ops.attention_inputs(self.ops, *args)
+
+    def mlp_block(self, *args: Any) -> Any:
+        return layer_ops.mlp_block(self.ops, *args)
+
+
+def _run_halves(
+    ops: LayerOps | _OneByOne, rows: int, first: bool, weights: dict[str, Any]
+) -> list[torch.Tensor]:
+    """Both halves of a layer over ``rows`` tokens through ``ops``: every tensor they return."""
+    x = None if first else _randn(rows, 576, dtype=torch.bfloat16, seed=7)
+    residual = _randn(rows, 576, dtype=torch.bfloat16, scale=3.0, seed=8)
+    angles = (torch.arange(rows) * 37 % 4096)[:, None] * 1e-2 * torch.arange(1, 33)  # [T, 32]
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    norm_in, norm_post = weights["norms"]
+    q, k, v, residual = ops.attention_inputs(
+        x, residual, norm_in, EPS, weights["qkv"], cos, sin, 9, 3
+    )
+    attn = (q * 0.5).reshape(rows, 576).contiguous()  # stands in for attention's output
+    out, residual = ops.mlp_block(
+        attn, residual, weights["o_proj"], norm_post, EPS, weights["gate_up"], weights["down"]
+    )
+    return [q, k, v, attn, out, residual]
+
+
+@needs_fused
+@needs_tiles
+@pytest.mark.parametrize("rows", [1, 4, 5, 17, 64, 256])
+@pytest.mark.parametrize("first", [True, False], ids=["first layer", "later layer"])
+def test_layer_halves_in_one_call_are_the_ops_one_by_one(
+    rows: int, first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode batch's layer halves in one C call each give exactly the bits of the same ops
+    called one by one (the skinny matmul up to 4 rows, the tiles above), the residual stream
+    updated in place the same way."""
+    ops = _fused()
+    weights = _layer_weights(ops)
+    expected = _run_halves(_OneByOne(ops), rows, first, weights)
+
+    def one_by_one(*args: object) -> None:
+        raise AssertionError("the C call declined a decode batch it should take")
+
+    monkeypatch.setattr(layer_ops, "attention_inputs", one_by_one)
+    monkeypatch.setattr(layer_ops, "mlp_block", one_by_one)
+    got = _run_halves(ops, rows, first, weights)
+    for a, b in zip(got, expected, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} values differ"
+
+
+@needs_fused
+@needs_tiles
+def test_layer_halves_go_op_by_op_where_the_c_call_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More rows than the tiles take (a prefill chunk) or a q/k/v bias (Qwen2): the composition
+    of the ops, as before; a decode batch without: one call each."""
+    ops = _fused()
+    calls: list[str] = []
+    for name in ("attention_inputs", "mlp_block"):
+        real = getattr(layer_ops, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(layer_ops, name, spy)
+    _run_halves(ops, 257, False, _layer_weights(ops))
+    assert calls == ["attention_inputs", "mlp_block"]
+    calls.clear()
+    _run_halves(ops, 8, False, _layer_weights(ops, qkv_bias=True))
+    assert calls == ["attention_inputs"]  # the other half has no bias: one call
+    calls.clear()
+    _run_halves(ops, 8, True, _layer_weights(ops))
+    assert calls == []
+
+
 @needs_fused
 def test_wrong_inputs_are_refused_not_read() -> None:
     ops = _fused()
@@ -313,7 +418,8 @@ def test_whole_model_logits(dtype: torch.dtype, num_tokens: int, changes: dict) 
 
 
 def test_carrying_the_residual_does_not_change_torch_numbers() -> None:
-    """The restructured layer (residual stream apart) against the textbook pre-norm block."""
+    """The restructured layer (residual stream apart, two halves) against the textbook pre-norm
+    block written out in torch ops."""
     from models_fixtures import sdpa_attention
 
     from pagekv.models.layer_ops import rms_norm
@@ -321,13 +427,23 @@ def test_carrying_the_residual_does_not_change_torch_numbers() -> None:
     model = _random_model(torch.bfloat16)
     ids = torch.tensor([3, 17, 5, 60, 2])
     cfg, eps = model.config, model.config.rms_norm_eps
+    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    linear = torch.nn.functional.linear
     with torch.inference_mode():
         cos, sin = model.rope_cos[: len(ids)], model.rope_sin[: len(ids)]
         x = torch.nn.functional.embedding(ids, model.embed_tokens)
-        for layer in model.layers:
-            h = layer._attention(rms_norm(x, layer.input_layernorm, eps), cos, sin, sdpa_attention)
-            x = x + h
-            x = x + layer._mlp(rms_norm(x, layer.post_attention_layernorm, eps))
+        for i, layer in enumerate(model.layers):
+            qkv = linear(rms_norm(x, layer.input_layernorm, eps), layer.qkv_proj)
+            q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+            q = apply_rope(q.reshape(len(ids), heads, head_dim), cos, sin)
+            k = apply_rope(k.reshape(len(ids), kv_heads, head_dim), cos, sin)
+            v = v.reshape(len(ids), kv_heads, head_dim).contiguous()
+            attn = sdpa_attention(i, q, k, v).reshape(len(ids), heads * head_dim)
+            x = x + linear(attn, layer.o_proj)
+            gate, up = linear(
+                rms_norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj
+            ).chunk(2, -1)
+            x = x + linear(torch.nn.functional.silu(gate) * up, layer.down_proj)
         expected = rms_norm(x, model.norm, eps)
         got = model(ids, torch.arange(len(ids)), sdpa_attention)
     assert cfg.num_hidden_layers >= 2

@@ -1,7 +1,9 @@
 """``LayerOps`` in C++: each of RMSNorm(+residual), RoPE+split and SiLU*up is one call per layer
 instead of 3-12 torch ops, for float32 and bfloat16 models; and, in bfloat16, the matmuls of
 decode steps (1-4 rows on AVX512-BF16, 5-256 rows on AMX tiles packed at load), which stream the
-weights faster than oneDNN does.
+weights faster than oneDNN does. A decode layer's two halves around attention
+(``attention_inputs``, ``mlp_block``) are one C call each on those batches: the same kernels in
+the same order, so the same bits, without nine Python calls and their new tensors.
 
 Owns the kernels' source, the AMX weight layout (``pack``) and their ctypes calls; the build and
 its cache are ``pagekv.native``'s. The numbers follow ``layer_ops.TorchOps`` rounding point by
@@ -450,13 +452,89 @@ extern "C" int tiles_linear_unit() { return 0; }
     }
 ENTRIES(f32, float)
 ENTRIES(bf16, uint16_t)
+
+// A decode step's layer in two calls instead of nine, bfloat16: the ops above in the order
+// LlamaDecoderLayer calls them one by one, through the same kernels (so the same bits), the
+// intermediates in this thread's scratch instead of new tensors. Each matmul is the one
+// FusedOps.linear would pick: skinny on the plain weight up to 4 rows, else the tiles. Only for
+// row counts and shapes both kernels take; checked before anything is written (-1: the caller
+// goes op by op).
+#if defined(__AVX512BF16__)
+static uint16_t* scratch(long elements) {
+    static thread_local std::vector<uint16_t> buffer;
+    if (long(buffer.size()) < elements) buffer.resize(elements);
+    return buffer.data();
+}
+
+static inline bool decode_matmul_fits(long M, long K, long N) {
+    return M >= 1 && M <= TILED_MAX_ROWS && K % 32 == 0 && N % 32 == 0;
+}
+
+static inline void decode_matmul(const uint16_t* x, const void* w, const void* tiles,
+                                 uint16_t* out, long M, long K, long N, int unit, int threads) {
+    if (M <= SKINNY_MAX_ROWS)
+        skinny_linear_bf16(x, w, out, M, K, N, threads);
+    else
+        tiles_linear_bf16(x, tiles, out, M, K, N, unit, threads);
+}
+
+// x null (the first layer): the norm of the residual alone, which is left as it is.
+extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
+                                     const void* w_qkv, const void* t_qkv, const float* cos,
+                                     const float* sin, void* q, void* k, void* v, long M,
+                                     long hidden, int heads, int kv_heads, int head_dim,
+                                     int unit, int threads) {
+    const long width = long(heads + 2 * kv_heads) * head_dim;
+    if (!decode_matmul_fits(M, hidden, width) || unit < 1 || unit > best_tile_unit()) return -1;
+    uint16_t* h = scratch(M * (hidden + width));
+    uint16_t* qkv = h + M * hidden;
+    add_rms_norm<uint16_t>((const uint16_t*)x, (uint16_t*)residual, (const uint16_t*)norm, h, M,
+                           hidden, eps, threads);
+    decode_matmul(h, w_qkv, t_qkv, qkv, M, hidden, width, unit, threads);
+    split_rope<uint16_t>(qkv, width, (uint16_t*)q, (uint16_t*)k, (uint16_t*)v, cos, sin, M,
+                         heads, kv_heads, head_dim, threads);
+    return 0;
+}
+
+extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* w_o, const void* t_o,
+                              const void* norm, float eps, const void* w_gate_up,
+                              const void* t_gate_up, const void* w_down, const void* t_down,
+                              void* out, long M, long hidden, long q_size, long inter, int unit,
+                              int threads) {
+    if (!decode_matmul_fits(M, q_size, hidden) || !decode_matmul_fits(M, hidden, 2 * inter) ||
+        !decode_matmul_fits(M, inter, hidden) || unit < 1 || unit > best_tile_unit())
+        return -1;
+    uint16_t* o = scratch(M * (2 * hidden + 3 * inter));
+    uint16_t* h = o + M * hidden;
+    uint16_t* gate_up = h + M * hidden;
+    uint16_t* act = gate_up + M * 2 * inter;
+    decode_matmul((const uint16_t*)attn, w_o, t_o, o, M, q_size, hidden, unit, threads);
+    add_rms_norm<uint16_t>(o, (uint16_t*)residual, (const uint16_t*)norm, h, M, hidden, eps,
+                           threads);
+    decode_matmul(h, w_gate_up, t_gate_up, gate_up, M, hidden, 2 * inter, unit, threads);
+    silu_mul<uint16_t>(gate_up, act, M, inter, threads);
+    decode_matmul(act, w_down, t_down, (uint16_t*)out, M, inter, hidden, unit, threads);
+    return 0;
+}
+#else
+extern "C" int attention_inputs_bf16(const void*, void*, const void*, float, const void*,
+                                     const void*, const float*, const float*, void*, void*,
+                                     void*, long, long, int, int, int, int, int) {
+    return -1;
+}
+extern "C" int mlp_block_bf16(const void*, void*, const void*, const void*, const void*, float,
+                              const void*, const void*, const void*, const void*, void*, long,
+                              long, long, long, int, int) {
+    return -1;
+}
+#endif
 """
 )
 
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES: dict[str, list[type]] = {
-    "add_rms_norm": [_P, _P, _P, _P, _L, _L, ctypes.c_float, _I],
+    "add_rms_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "split_rope": [_P, _L, _P, _P, _P, _P, _P, _L, _I, _I, _I, _I],
     "silu_mul": [_P, _P, _L, _L, _I],
 }
@@ -493,6 +571,14 @@ class FusedOps:
         self._tiles_max_rows = int(library.tiles_linear_max_rows())  # 0: no AVX512-BF16
         self._best_unit = int(library.tiles_linear_unit())
         self._unit = self._best_unit  # which multiplies the tiles: 2 AMX, 1 vectors
+        self._attention_inputs = library.attention_inputs_bf16
+        self._attention_inputs.restype = _I
+        self._attention_inputs.argtypes = [_P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L]
+        self._attention_inputs.argtypes += [_I] * 5
+        self._mlp_block = library.mlp_block_bf16
+        self._mlp_block.restype = _I
+        self._mlp_block.argtypes = [_P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _L, _L, _L, _L]
+        self._mlp_block.argtypes += [_I, _I]
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -635,6 +721,137 @@ class FusedOps:
                     return out
         return layer_ops.linear(x, weight, None if tiles else packed, bias)
 
+    def attention_inputs(
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        qkv: layer_ops.Linear,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer_ops.attention_inputs`` in one C call for bf16 decode batches whose matmul
+        the skinny or tiled kernel takes (the same kernels, so the same bits); op by op
+        otherwise."""
+        rows, hidden = residual.shape
+        half = cos.shape[-1]
+        if (
+            self._decode_rows(residual, norm, rows, (qkv,))
+            and (x is None or (x.shape == residual.shape and x.dtype == residual.dtype))
+            and (x is None or x.is_contiguous())
+            and qkv.weight.shape == ((num_heads + 2 * num_kv_heads) * 2 * half, hidden)
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape == (rows, half)
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        ):
+            q = torch.empty((rows, num_heads, 2 * half), dtype=torch.bfloat16)
+            k = torch.empty((rows, num_kv_heads, 2 * half), dtype=torch.bfloat16)
+            v = torch.empty_like(k)
+            status = self._attention_inputs(
+                None if x is None else x.data_ptr(),
+                residual.data_ptr(),
+                norm.data_ptr(),
+                eps,
+                qkv.weight.data_ptr(),
+                _tiles(qkv.packed),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                rows,
+                hidden,
+                num_heads,
+                num_kv_heads,
+                2 * half,
+                self._unit,
+                _threads(),
+            )
+            if status == 0:
+                return q, k, v, residual
+        return layer_ops.attention_inputs(
+            self, x, residual, norm, eps, qkv, cos, sin, num_heads, num_kv_heads
+        )
+
+    def mlp_block(
+        self,
+        attn: torch.Tensor,
+        residual: torch.Tensor,
+        o_proj: layer_ops.Linear,
+        norm: torch.Tensor,
+        eps: float,
+        gate_up: layer_ops.Linear,
+        down: layer_ops.Linear,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer_ops.mlp_block`` in one C call for bf16 decode batches whose matmuls the
+        skinny or tiled kernel takes (the same kernels, so the same bits); op by op
+        otherwise."""
+        rows, hidden = residual.shape
+        inter = down.weight.shape[1]
+        if (
+            self._decode_rows(residual, norm, rows, (o_proj, gate_up, down))
+            and attn.dtype == torch.bfloat16
+            and attn.is_contiguous()
+            and attn.shape == (rows, o_proj.weight.shape[1])
+            and o_proj.weight.shape[0] == hidden
+            and gate_up.weight.shape == (2 * inter, hidden)
+            and down.weight.shape[0] == hidden
+        ):
+            out = torch.empty_like(residual)
+            status = self._mlp_block(
+                attn.data_ptr(),
+                residual.data_ptr(),
+                o_proj.weight.data_ptr(),
+                _tiles(o_proj.packed),
+                norm.data_ptr(),
+                eps,
+                gate_up.weight.data_ptr(),
+                _tiles(gate_up.packed),
+                down.weight.data_ptr(),
+                _tiles(down.packed),
+                out.data_ptr(),
+                rows,
+                hidden,
+                attn.shape[1],
+                inter,
+                self._unit,
+                _threads(),
+            )
+            if status == 0:
+                return out, residual
+        return layer_ops.mlp_block(self, attn, residual, o_proj, norm, eps, gate_up, down)
+
+    def _decode_rows(
+        self,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        rows: int,
+        linears: tuple[layer_ops.Linear, ...],
+    ) -> bool:
+        """Whether a layer half of ``rows`` bf16 rows can go through one C call: the residual
+        and norm as the C side reads them, and every matmul one ``linear`` would give the
+        skinny kernel (up to its rows) or the tiles (a bias never)."""
+        if not (
+            0 < rows <= self._tiles_max_rows
+            and residual.dtype == norm.dtype == torch.bfloat16
+            and residual.is_contiguous()
+            and norm.is_contiguous()
+            and norm.shape == residual.shape[1:]
+        ):
+            return False
+        for weight, packed, bias in linears:
+            out_features, in_features = weight.shape
+            if bias is not None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+                return False
+            tiles = (out_features // 16, in_features // 32, 16, 32)
+            if rows > self._skinny_max_rows and (packed is None or packed.shape != tiles):
+                return False
+        return True
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not (
             gate_up.dtype in _SUFFIXES
@@ -648,6 +865,11 @@ class FusedOps:
         fn = self._functions[("silu_mul", gate_up.dtype)]
         fn(gate_up.data_ptr(), out.data_ptr(), rows, inter, _threads())
         return out
+
+
+def _tiles(packed: torch.Tensor | None) -> int | None:
+    """The address of packed tiles; None for no copy or oneDNN's (no storage to point at)."""
+    return packed.data_ptr() if packed is not None and packed.dim() == 4 else None
 
 
 def _threads() -> int:

@@ -25,7 +25,9 @@ residual add meets the norm after it in one ``add_rms_norm``:
     x = mlp(h)                             next layer: h, r = add_norm(x, r); ...
     out = add_norm(x, r)                   after the last layer, with the final norm
 
-The same sums in the same order as ``x + attn(norm(x))``, so the numbers do not change.
+The same sums in the same order as ``x + attn(norm(x))``, so the numbers do not change. A
+layer hands the ops its two halves around attention (``LayerOps.attention_inputs`` up to q/k/v,
+``LayerOps.mlp_block`` after), so that fast ops may run each half in one call.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 
 from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig
-from pagekv.models.layer_ops import TORCH_OPS, LayerOps
+from pagekv.models.layer_ops import TORCH_OPS, LayerOps, Linear
 from pagekv.models.rope import rope_cos_sin
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
@@ -104,31 +106,33 @@ class LlamaDecoderLayer(nn.Module):
         Returns (this layer's output, the residual stream), both [T, hidden]; their sum is the
         hidden state. ``residual`` may be updated in place (``LayerOps.add_rms_norm``).
         """
-        ops, eps = self.ops, self.config.rms_norm_eps
-        if residual is None:
-            h, residual = ops.rms_norm(x, self.input_layernorm, eps), x
-        else:
-            h, residual = ops.add_rms_norm(x, residual, self.input_layernorm, eps)
-        h = self._attention(h, cos, sin, attention)
-        h, residual = ops.add_rms_norm(h, residual, self.post_attention_layernorm, eps)
-        return self._mlp(h), residual
-
-    def _attention(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
-    ) -> torch.Tensor:
-        cfg = self.config
-        qkv = self._linear(x, "qkv_proj", self.qkv_bias)  # [T, q_size + 2 * kv_size]
-        heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
-        q, k, v = self.ops.split_rope(qkv, cos, sin, *heads)  # contiguous, q and k rotated
+        ops, eps, cfg = self.ops, self.config.rms_norm_eps, self.config
+        # the first layer: the embeddings are the residual stream, and nothing is added to it
+        added, residual = (None, x) if residual is None else (x, residual)
+        q, k, v, residual = ops.attention_inputs(
+            added,
+            residual,
+            self.input_layernorm,
+            eps,
+            self._projection("qkv_proj", self.qkv_bias),
+            cos,
+            sin,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+        )
         out = attention(self.layer_idx, q, k, v)  # [T, num_heads, head_dim]
-        return self._linear(out.reshape(x.shape[0], cfg.q_size), "o_proj")
+        return ops.mlp_block(
+            out.reshape(q.shape[0], cfg.q_size),
+            residual,
+            self._projection("o_proj"),
+            self.post_attention_layernorm,
+            eps,
+            self._projection("gate_up_proj"),
+            self._projection("down_proj"),
+        )
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._linear(x, "gate_up_proj")  # [T, 2 * intermediate_size]: gate, up
-        return self._linear(self.ops.silu_mul(gate_up), "down_proj")
-
-    def _linear(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.ops.linear(x, getattr(self, name), self.packed.get(name), bias)
+    def _projection(self, name: str, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(getattr(self, name), self.packed.get(name), bias)
 
     def pack_weights(self) -> None:
         self.packed = {name: self.ops.pack(getattr(self, name).data) for name in _PACKED_PARAMS}
