@@ -180,7 +180,8 @@ class VllmProcess:
     """One vLLM process for all rounds (``vllm_offline.py --passes-on-stdin``): started at the
     first round, one pass per round, each from an empty prefix cache, and stopped (SIGSTOP, the
     whole process tree) between its passes so its idle engine loop takes no CPU from the other
-    engines' rounds. ``close`` ends it and appends its start-up, env, passes and tree memory to
+    engines' rounds; its memory sampler (a thread of this process, which runs pagekv and HF)
+    pauses meanwhile too. ``close`` ends it and appends its start-up, env, passes and tree memory to
     ``extras``."""
 
     def __init__(
@@ -216,9 +217,11 @@ class VllmProcess:
             self._start()
         assert self.proc is not None and self.proc.stdin is not None
         self._signal(signal.SIGCONT)
+        self.sampler.resume()
         self.proc.stdin.write("run\n")
         self.proc.stdin.flush()
         result = self._read_result()
+        self.sampler.pause()  # its smaps reads would take CPU from the next engine's round
         self._signal(signal.SIGSTOP)
         self.passes.append(result)
         return float(result["elapsed_s"])
@@ -242,6 +245,7 @@ class VllmProcess:
         self.sampler = TreeSampler(self.proc.pid, interval=0.2).start()
         self.ready = self._read_result()
         self.ready["spawn_to_first_token_s"] = self.ready["first_token_unix"] - spawn_unix
+        self.sampler.pause()
         self._signal(signal.SIGSTOP)
         print("  vllm env:", json.dumps(self.ready["env"]))
         print(
@@ -264,6 +268,7 @@ class VllmProcess:
             return
         assert self.proc.stdin is not None
         self._signal(signal.SIGCONT)
+        self.sampler.resume()
         self.proc.stdin.close()
         self.proc.wait(timeout=120)
         memory = self.sampler.stop()

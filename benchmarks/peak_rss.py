@@ -8,7 +8,9 @@ this samples the tree with psutil every ``--interval`` seconds and reports the p
 - the sum of PSS (shared pages split between their sharers: the tree's real footprint),
 - the largest single process's RSS.
 Sampling can miss a spike shorter than the interval; PSS reads /proc/PID/smaps, so the PSS
-samples are taken every ``pss_every`` RSS samples.
+samples are taken every ``pss_every`` RSS samples. A caller that stops the tree (SIGSTOP) pauses
+the sampler meanwhile: a stopped tree's memory cannot change, and the samples (smaps of every
+process) cost CPU time that would be charged to whatever runs beside it.
 """
 
 from __future__ import annotations
@@ -34,11 +36,23 @@ class TreeSampler:
         self.peak_rss_single = 0
         self.samples = 0
         self._stop = threading.Event()
+        self._active = threading.Event()  # cleared while paused
+        self._active.set()
+        self._sampling = threading.Lock()  # held during one sample
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def start(self) -> TreeSampler:
         self._thread.start()
         return self
+
+    def pause(self) -> None:
+        """No samples until ``resume``; returns once a sample in flight has ended."""
+        self._active.clear()
+        with self._sampling:
+            pass
+
+    def resume(self) -> None:
+        self._active.set()
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -61,26 +75,37 @@ class TreeSampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            procs = self._procs()
-            if not procs:
-                return
-            with_pss = self.samples % self.pss_every == 0
-            rss_sum = pss_sum = 0
-            for proc in procs:
-                try:
-                    if with_pss:
-                        info = proc.memory_full_info()
-                        pss_sum += info.pss
-                    else:
-                        info = proc.memory_info()
-                except psutil.Error:
-                    continue
-                rss_sum += info.rss
-                self.peak_rss_single = max(self.peak_rss_single, info.rss)
-            self.peak_rss_sum = max(self.peak_rss_sum, rss_sum)
-            self.peak_pss_sum = max(self.peak_pss_sum, pss_sum)
-            self.samples += 1
+            if not self._active.wait(self.interval):
+                continue  # paused: look again for a stop or a resume
+            with self._sampling:
+                if not self._sample():
+                    return
             self._stop.wait(self.interval)
+
+    def _sample(self) -> bool:
+        """One sample of the tree; False once it is gone."""
+        if not self._active.is_set():
+            return True  # paused between the wait and the lock
+        procs = self._procs()
+        if not procs:
+            return False
+        with_pss = self.samples % self.pss_every == 0
+        rss_sum = pss_sum = 0
+        for proc in procs:
+            try:
+                if with_pss:
+                    info = proc.memory_full_info()
+                    pss_sum += info.pss
+                else:
+                    info = proc.memory_info()
+            except psutil.Error:
+                continue
+            rss_sum += info.rss
+            self.peak_rss_single = max(self.peak_rss_single, info.rss)
+        self.peak_rss_sum = max(self.peak_rss_sum, rss_sum)
+        self.peak_pss_sum = max(self.peak_pss_sum, pss_sum)
+        self.samples += 1
+        return True
 
 
 def main() -> None:
