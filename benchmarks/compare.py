@@ -180,9 +180,10 @@ class VllmProcess:
     """One vLLM process for all rounds (``vllm_offline.py --passes-on-stdin``): started at the
     first round, one pass per round, each from an empty prefix cache, and stopped (SIGSTOP, the
     whole process tree) between its passes so its idle engine loop takes no CPU from the other
-    engines' rounds; its memory sampler (a thread of this process, which runs pagekv and HF)
-    pauses meanwhile too. ``close`` ends it and appends its start-up, env, passes and tree memory to
-    ``extras``."""
+    engines' rounds. Its memory sampler, a thread of this process (which runs pagekv and HF),
+    pauses meanwhile too, and reads PSS (every smaps of the tree, ~50 ms a 3 GB process) only
+    then, so that neither engine's passes pay for it. ``close`` ends it and appends its
+    start-up, env, passes and tree memory to ``extras``."""
 
     def __init__(
         self,
@@ -223,6 +224,7 @@ class VllmProcess:
         result = self._read_result()
         self.sampler.pause()  # its smaps reads would take CPU from the next engine's round
         self._signal(signal.SIGSTOP)
+        self.sampler.sample(with_pss=True)  # stopped: costs the passes nothing
         self.passes.append(result)
         return float(result["elapsed_s"])
 
@@ -242,11 +244,13 @@ class VllmProcess:
             text=True,
             env=self.env,
         )
-        self.sampler = TreeSampler(self.proc.pid, interval=0.2).start()
+        # RSS on the thread during passes (cheap); PSS, which reads every smaps, only while stopped
+        self.sampler = TreeSampler(self.proc.pid, interval=0.2, pss_every=0).start()
         self.ready = self._read_result()
         self.ready["spawn_to_first_token_s"] = self.ready["first_token_unix"] - spawn_unix
         self.sampler.pause()
         self._signal(signal.SIGSTOP)
+        self.sampler.sample(with_pss=True)
         print("  vllm env:", json.dumps(self.ready["env"]))
         print(
             f"  vllm spawn -> first token {self.ready['spawn_to_first_token_s']:.1f} s "

@@ -8,9 +8,11 @@ this samples the tree with psutil every ``--interval`` seconds and reports the p
 - the sum of PSS (shared pages split between their sharers: the tree's real footprint),
 - the largest single process's RSS.
 Sampling can miss a spike shorter than the interval; PSS reads /proc/PID/smaps, so the PSS
-samples are taken every ``pss_every`` RSS samples. A caller that stops the tree (SIGSTOP) pauses
-the sampler meanwhile: a stopped tree's memory cannot change, and the samples (smaps of every
-process) cost CPU time that would be charged to whatever runs beside it.
+samples are taken every ``pss_every`` RSS samples (a PSS sample of a 3 GB process takes ~50 ms
+of CPU). A caller that stops the tree (SIGSTOP) between timed passes pauses the sampler
+meanwhile (a stopped tree's memory cannot change, and the samples would take CPU from whatever
+runs beside it) and may take the PSS samples then, with ``pss_every=0`` and ``sample``, so that
+they cost the tree's own passes nothing either.
 """
 
 from __future__ import annotations
@@ -78,18 +80,18 @@ class TreeSampler:
             if not self._active.wait(self.interval):
                 continue  # paused: look again for a stop or a resume
             with self._sampling:
-                if not self._sample():
+                if not self._active.is_set():
+                    continue  # paused between the wait and the lock
+                if not self.sample(self.pss_every > 0 and self.samples % self.pss_every == 0):
                     return
             self._stop.wait(self.interval)
 
-    def _sample(self) -> bool:
-        """One sample of the tree; False once it is gone."""
-        if not self._active.is_set():
-            return True  # paused between the wait and the lock
+    def sample(self, with_pss: bool) -> bool:
+        """One sample of the tree now (RSS, and PSS if asked); False once it is gone. From
+        another thread only while paused."""
         procs = self._procs()
         if not procs:
             return False
-        with_pss = self.samples % self.pss_every == 0
         rss_sum = pss_sum = 0
         for proc in procs:
             try:
