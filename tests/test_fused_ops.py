@@ -150,7 +150,9 @@ def test_threads_do_not_change_a_bit(dtype: torch.dtype) -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-HAS_AVX512_BF16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text(errors="replace")
+CPU_FLAGS = Path("/proc/cpuinfo").read_text(errors="replace")
+HAS_AVX512_BF16 = "avx512_bf16" in CPU_FLAGS
+HAS_AVX512 = "avx512f" in CPU_FLAGS
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -266,7 +268,7 @@ def test_tiled_linear_takes_only_its_shapes() -> None:
     ragged = ops.pack(_randn(48, 576, dtype=torch.bfloat16))
     assert ragged is None or ragged.dim() == 2  # oneDNN's copy, not tiles
     float32 = ops.pack(weight.float())
-    assert float32 is None or float32.dim() == 2  # oneDNN's copy: tiles are bf16 only
+    assert float32 is None or float32.dim() in (2, 3)  # stripes or oneDNN's: tiles are bf16 only
     for x, bias in (
         (_randn(257, 576, dtype=torch.bfloat16), None),
         (_randn(8, 576, dtype=torch.bfloat16), weight[:, 0].contiguous()),
@@ -275,6 +277,55 @@ def test_tiled_linear_takes_only_its_shapes() -> None:
         torch.testing.assert_close(ops.linear(x, weight, packed, bias), expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="tiles"):
         ops.linear(_randn(8, 576, dtype=torch.bfloat16), weight[:32], packed, None)
+
+
+@needs_fused
+@pytest.mark.skipif(not HAS_AVX512, reason="the float32 stripes need AVX-512")
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 64, 241, 300])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 96)], ids=str)
+def test_float32_stripes_are_within_float32_rounding_and_batch_invariant(
+    rows: int, shape: tuple[int, int]
+) -> None:
+    """float32 matmuls of any row count through the stripes: within float32 summation error of
+    the exact product, and a row's numbers the same whatever else is in the batch (one chain
+    of FMAs per output; 241 and 300 rows cross the 240-row blocks)."""
+    n, k = shape
+    ops = _fused()
+    weight = _randn(n, k, dtype=torch.float32, seed=1) * 0.05
+    packed = ops.pack(weight)
+    assert packed is not None and packed.shape == (n // 32, k, 32)
+    x = _randn(rows, k, dtype=torch.float32)
+    got = ops.linear(x, weight, packed, None)
+    exact = x.double() @ weight.double().T
+    magnitude = x.double().abs() @ weight.double().abs().T
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert bool(((got.double() - exact).abs() <= k * 2**-24 * magnitude + 1e-30).all())
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    for part in (slice(0, 5), slice(rows - 5, rows), slice(rows // 2, rows // 2 + 1)):
+        alone = ops.linear(x[part].contiguous(), weight, packed, None)
+        torch.testing.assert_close(got[part], alone, atol=0, rtol=0)
+
+
+@needs_fused
+@pytest.mark.skipif(not HAS_AVX512, reason="the float32 stripes need AVX-512")
+def test_float32_stripes_take_only_their_shapes() -> None:
+    """An out side that is not a multiple of 32 keeps oneDNN's packing; a bias goes to
+    ``layer_ops.linear`` (torch's numbers); stripes of another weight or a bf16 x are refused
+    before the C side reads them."""
+    ops = _fused()
+    weight = _randn(64, 576, dtype=torch.float32, seed=1)
+    packed = ops.pack(weight)
+    assert packed is not None and packed.dim() == 3
+    ragged = ops.pack(_randn(48, 576, dtype=torch.float32))
+    assert ragged is None or ragged.dim() == 2
+    x = _randn(8, 576, dtype=torch.float32)
+    bias = weight[:, 0].contiguous()
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(ops.linear(x, weight, packed, bias), expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="stripes"):
+        ops.linear(x, weight[:32], packed, None)
+    with pytest.raises(ValueError, match="stripes"):
+        ops.linear(x.bfloat16(), weight, packed, None)
 
 
 def _layer_weights(ops: LayerOps, qkv_bias: bool = False) -> dict[str, Any]:

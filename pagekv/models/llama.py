@@ -9,11 +9,11 @@ Load-time fusion: q/k/v projections are stacked into one `qkv_proj` weight and g
 `gate_up_proj`, so each layer does two matmuls fewer; `load_weights` takes Hugging Face names and
 fills the fused slices.
 
-Prepacking (`pack_weights`): oneDNN reorders a plain bf16 (or float32) weight into its blocked
-layout inside every matmul; doing that once at load makes the decode-sized matmuls 1.4-2x
-faster, bit-identical in bf16 (in float32 oneDNN's sums replace MKL's sgemm's, 1.7-2.5x faster
-at 8-64 rows on AMD Zen). The plain parameters stay: loading, the
-fingerprint and tests read them, and prefill-sized matmuls use them (packing buys nothing there).
+Prepacking (`pack_weights`): every matmul weight is reordered once at load into the layout of
+the ops' own matmuls (``LayerOps.pack``): oneDNN's blocked layout with the torch ops (the
+decode-sized matmuls 1.4-2x faster, bit-identical in bf16); with the fused C ops the tiles of
+their bf16 kernels or the stripes of their float32 kernel. The plain parameters stay: loading,
+the fingerprint and tests read them, and bf16 prefill-sized matmuls use them.
 
 Elementwise ops (norms, RoPE, SiLU*up) go through a ``LayerOps`` object (layer_ops.py): torch ops
 by default, the C ops of fused_ops.py when the caller sets them (``use_layer_ops``). The residual
@@ -204,8 +204,8 @@ class LlamaForCausalLM(nn.Module):
             layer.ops = ops
 
     def pack_weights(self) -> None:
-        """Prepack every matmul weight in the layout of the current ops' ``pack`` (oneDNN's
-        or the AMX tiles of the fused ops, for bfloat16 models; a no-op otherwise).
+        """Prepack every matmul weight in the layout of the current ops' ``pack`` (oneDNN's,
+        or the fused ops' tiles (bf16) or stripes (float32); a no-op where there is none).
 
         The packed copies are taken from the parameters as they are now; ``load_weights``
         drops them, so call this after loading. Packing twice is a no-op.
