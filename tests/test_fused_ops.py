@@ -307,6 +307,28 @@ def test_float32_stripes_are_within_float32_rounding_and_batch_invariant(
 
 
 @needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_copies_go_where_the_caller_allocates(dtype: torch.dtype) -> None:
+    """Tiles and stripes are written into the tensor ``allocate`` returns (the runner's arena
+    on huge pages), the same numbers as a default pack; oneDNN's copies ignore it."""
+    ops = _fused()
+    weight = _randn(64, 576, dtype=dtype, seed=1)
+    given: list[torch.Tensor] = []
+
+    def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        given.append(torch.full(shape, 7.0, dtype=dtype))
+        return given[-1]
+
+    packed = ops.pack(weight, allocate)
+    default = ops.pack(weight)
+    if packed is None or packed.dim() == 2:  # no tiles or stripes on this CPU
+        assert not given
+        return
+    assert len(given) == 1 and packed.data_ptr() == given[0].data_ptr()
+    assert default is not None and torch.equal(packed, default)
+
+
+@needs_fused
 @pytest.mark.skipif(not HAS_AVX512, reason="the float32 stripes need AVX-512")
 def test_float32_stripes_take_only_their_shapes() -> None:
     """An out side that is not a multiple of 32 keeps oneDNN's packing; a bias goes to
@@ -520,19 +542,58 @@ def test_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
         fused_ops.load.cache_clear()
 
 
-def _runner_ops(backend_name: str, monkeypatch: pytest.MonkeyPatch, env: str) -> LayerOps:
+_last_model: list[Any] = [None]  # the model _runner_ops built last
+
+
+def _runner_ops(
+    backend_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    env: str,
+    dtype: torch.dtype = torch.bfloat16,
+) -> LayerOps:
     from pagekv.models.loader import LoadedModel
     from pagekv.runner.model_runner import AttentionBackend, ModelRunner
 
     fused_ops.load.cache_clear()
     monkeypatch.setenv(fused_ops.DISABLE_ENV, env)
-    model = _random_model(torch.bfloat16)
+    model = _random_model(dtype)
+    _last_model[0] = model
     loaded = LoadedModel(_tiny_config(), model, None, "x", "fp")  # type: ignore[arg-type]
     try:
         ModelRunner(loaded, 4, 16, attention=AttentionBackend[backend_name])
     finally:
         fused_ops.load.cache_clear()
     return model.ops
+
+
+@needs_fused
+def test_runner_packs_weights_into_its_huge_page_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast runner packs every matmul weight through one ``HugePageArena`` with room for
+    all of them; what the fused ops lay out themselves (tiles, stripes) is the arena's."""
+    from pagekv.runner import host_memory
+
+    arenas: list[tuple[int, list[torch.Tensor]]] = []
+
+    class Spy(host_memory.HugePageArena):
+        def __init__(self, nbytes: int) -> None:
+            super().__init__(nbytes)
+            arenas.append((nbytes, []))
+
+        def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            arenas[-1][1].append(super().empty(shape, dtype))
+            return arenas[-1][1][-1]
+
+    monkeypatch.setattr(host_memory, "HugePageArena", Spy)
+    for dtype in DTYPES:
+        _runner_ops("FAST", monkeypatch, "1", dtype)
+        room, handed_out = arenas[-1]
+        own = [p for p in _last_model[0].layers[0].packed.values() if p is not None and p.dim() > 2]
+        ours_here = HAS_AVX512_BF16 if dtype == torch.bfloat16 else HAS_AVX512
+        assert len(own) >= (3 if ours_here else 0)
+        for packed in own:
+            assert any(packed.data_ptr() == t.data_ptr() for t in handed_out)
+        assert sum(t.numel() * t.element_size() for t in handed_out) <= room
+    assert len(arenas) == len(DTYPES)
 
 
 @needs_fused

@@ -116,3 +116,36 @@ def test_kv_cache_pools_come_from_host_memory() -> None:
     assert len({t.data_ptr() for t in tensors}) == 4
     for t in tensors:
         assert t.shape == (700, 16, 3, 64) and t.is_contiguous() and not t.any()
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
+def test_arena_tensors_are_on_huge_pages_page_aligned_and_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
+    arena = host_memory.HugePageArena(8 << 20)
+    shapes = [(100, 18, 16, 32), (7,), (1000, 576)]  # 1.8 MB, 14 B, 2.3 MB of bf16
+    tensors = [arena.empty(shape, torch.bfloat16) for shape in shapes]
+    for i, (t, shape) in enumerate(zip(tensors, shapes, strict=True)):
+        assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
+        assert t.data_ptr() % host_memory.PAGE_BYTES == 0
+        t.fill_(i + 1)
+    for i, t in enumerate(tensors):  # no tensor overlaps another
+        assert bool((t == i + 1).all())
+    assert tensors[0].data_ptr() % host_memory.HUGE_PAGE_BYTES == 0  # the mapping's start
+    assert _huge_bytes_at(tensors[0].data_ptr()) >= host_memory.HUGE_PAGE_BYTES
+    past_end = arena.empty((4 << 20,), torch.bfloat16)  # 8 MB: more than is left
+    assert past_end.shape == (4 << 20,)
+    start = tensors[0].data_ptr()
+    assert not start <= past_end.data_ptr() < start + (8 << 20)  # torch.empty's, not the arena's
+
+
+def test_arena_without_huge_pages_is_torch_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_mapping(*args: object, **kwargs: object) -> None:
+        raise AssertionError("HugePageArena mapped memory with huge pages disabled")
+
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "0")
+    monkeypatch.setattr(host_memory.mmap, "mmap", no_mapping)
+    arena = host_memory.HugePageArena(8 << 20)
+    t = arena.empty((1000, 576), torch.float32)
+    assert t.shape == (1000, 576) and t.dtype == torch.float32

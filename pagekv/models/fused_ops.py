@@ -760,22 +760,24 @@ class FusedOps:
             self._unit = code
         return self._unit == code
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack(
+        self, weight: torch.Tensor, allocate: layer_ops.Allocate = layer_ops.torch_empty
+    ) -> torch.Tensor | None:
         """The same numbers of an [out, in] weight reordered for this object's matmuls: in bf16
         (on CPUs with AVX512-BF16, sides multiples of 32) the tiled kernel's tiles, a [out /
         16, in / 32, 16, 32] tensor; in float32 (on CPUs with AVX-512, out a multiple of 32)
         the stripes of the float32 kernel, [out / 32, in, 32]; otherwise ``layer_ops.pack``
-        (oneDNN's copy, or None)."""
+        (oneDNN's copy, or None). Tiles and stripes go into a tensor from ``allocate``."""
         out_features, in_features = weight.shape
         if not (weight.is_contiguous() and out_features % 32 == 0):
             return layer_ops.pack(weight)
         if weight.dtype == torch.float32 and self._has_stripes:
-            packed = torch.empty((out_features // 32, in_features, 32), dtype=torch.float32)
+            packed = allocate((out_features // 32, in_features, 32), torch.float32)
             self._stripes_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
             return packed
         if not (self._tiles_max_rows and weight.dtype == torch.bfloat16 and in_features % 32 == 0):
             return layer_ops.pack(weight)
-        packed = torch.empty((out_features // 16, in_features // 32, 16, 32), dtype=torch.bfloat16)
+        packed = allocate((out_features // 16, in_features // 32, 16, 32), torch.bfloat16)
         self._tiles_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
         return packed
 

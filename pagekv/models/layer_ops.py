@@ -18,6 +18,7 @@ those of the composition. Imports nothing from runner/ or core/.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -37,11 +38,21 @@ PACKED_MAX_ROWS = 256  # above: prefill-sized, where the packed LM head measured
 PACK_ROWS_HINT = 64  # oneDNN picks its blocking for this many rows; any row count stays exact
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor | None:
+# (shape, dtype) -> a new uninitialized tensor: where ``LayerOps.pack`` puts a copy of its own
+# layout (``torch.empty`` by default; the runner's is an arena on 2 MiB pages).
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def pack(weight: torch.Tensor, allocate: Allocate = torch_empty) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a bf16 or float32 [out, in] weight; None for other dtypes or
     builds. In bf16 torch's own matmul is oneDNN's, so the numbers are the same; in float32
     torch's is MKL's sgemm, which oneDNN's packed kernels beat 1.7-2.5x at 8-64 rows on AMD Zen
-    (measured; MKL takes a slow path there), with float32 sums in another order."""
+    (measured; MKL takes a slow path there), with float32 sums in another order. oneDNN
+    allocates its copy itself: ``allocate`` is not used."""
     if weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
@@ -78,9 +89,10 @@ class LayerOps(Protocol):
     """What a decoder layer needs besides attention. Tensors in the model dtype unless said
     otherwise; T is the number of tokens."""
 
-    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def pack(self, weight: torch.Tensor, allocate: Allocate = torch_empty) -> torch.Tensor | None:
         """A copy of weight [out, in] laid out for this object's ``linear`` (same numbers), or
-        None where it has no faster layout for this dtype or shape."""
+        None where it has no faster layout for this dtype or shape. A copy in a layout of the
+        object's own goes into a tensor from ``allocate``."""
         ...
 
     def linear(

@@ -40,7 +40,7 @@ from torch import nn
 
 from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig
-from pagekv.models.layer_ops import TORCH_OPS, LayerOps, Linear
+from pagekv.models.layer_ops import TORCH_OPS, Allocate, LayerOps, Linear, torch_empty
 from pagekv.models.rope import rope_cos_sin
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
@@ -134,8 +134,10 @@ class LlamaDecoderLayer(nn.Module):
     def _projection(self, name: str, bias: torch.Tensor | None = None) -> Linear:
         return Linear(getattr(self, name), self.packed.get(name), bias)
 
-    def pack_weights(self) -> None:
-        self.packed = {name: self.ops.pack(getattr(self, name).data) for name in _PACKED_PARAMS}
+    def pack_weights(self, allocate: Allocate) -> None:
+        self.packed = {
+            name: self.ops.pack(getattr(self, name).data, allocate) for name in _PACKED_PARAMS
+        }
 
 
 class LlamaForCausalLM(nn.Module):
@@ -203,19 +205,20 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.ops = ops
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, allocate: Allocate = torch_empty) -> None:
         """Prepack every matmul weight in the layout of the current ops' ``pack`` (oneDNN's,
         or the fused ops' tiles (bf16) or stripes (float32); a no-op where there is none).
 
         The packed copies are taken from the parameters as they are now; ``load_weights``
-        drops them, so call this after loading. Packing twice is a no-op.
+        drops them, so call this after loading. Packing twice is a no-op. Copies in a layout
+        of the ops' own go into tensors from ``allocate`` (``LayerOps.pack``).
         """
         if self.packed_head is not None:
             return
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            layer.pack_weights()
-        self.packed_head = self.ops.pack(self._head().data)
+            layer.pack_weights(allocate)
+        self.packed_head = self.ops.pack(self._head().data, allocate)
 
     def _unpack(self) -> None:
         for layer in self.layers:

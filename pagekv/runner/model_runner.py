@@ -111,7 +111,12 @@ class ModelRunner:
             logger.debug("fused layer ops not used for %s; torch ops", self.dtype)
             self.model.use_layer_ops(TORCH_OPS)
         if os.environ.get(PACK_ENV, "1") != "0":
-            self.model.pack_weights()  # bf16: weights blocked for the ops' decode matmuls
+            # weights blocked for the ops' matmuls, on 2 MiB pages (room for every parameter's
+            # copy: pages no copy is written to are never faulted in)
+            params = list(self.model.parameters())
+            room = sum(p.numel() * p.element_size() for p in params)
+            arena = host_memory.HugePageArena(room + len(params) * host_memory.PAGE_BYTES)
+            self.model.pack_weights(arena.empty)
 
     # ---- per-request sampler state --------------------------------------------------------------
 
