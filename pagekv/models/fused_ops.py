@@ -845,7 +845,7 @@ class FusedOps:
         rows, hidden = residual.shape
         half = cos.shape[-1]
         if (
-            self._decode_rows(residual, norm, rows, (qkv,))
+            self._fits_one_call(residual, norm, rows, (qkv,))
             and (x is None or (x.shape == residual.shape and x.dtype == residual.dtype))
             and (x is None or x.is_contiguous())
             and qkv.weight.shape == ((num_heads + 2 * num_kv_heads) * 2 * half, hidden)
@@ -899,7 +899,7 @@ class FusedOps:
         rows, hidden = residual.shape
         inter = down.weight.shape[1]
         if (
-            self._decode_rows(residual, norm, rows, (o_proj, gate_up, down))
+            self._fits_one_call(residual, norm, rows, (o_proj, gate_up, down))
             and attn.dtype == torch.bfloat16
             and attn.is_contiguous()
             and attn.shape == (rows, o_proj.weight.shape[1])
@@ -931,7 +931,7 @@ class FusedOps:
                 return out, residual
         return layer_ops.mlp_block(self, attn, residual, o_proj, norm, eps, gate_up, down)
 
-    def _decode_rows(
+    def _fits_one_call(
         self,
         residual: torch.Tensor,
         norm: torch.Tensor,

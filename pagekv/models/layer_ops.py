@@ -240,33 +240,9 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def attention_inputs(
-        self,
-        x: torch.Tensor | None,
-        residual: torch.Tensor,
-        norm: torch.Tensor,
-        eps: float,
-        qkv: Linear,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return attention_inputs(
-            self, x, residual, norm, eps, qkv, cos, sin, num_heads, num_kv_heads
-        )
-
-    def mlp_block(
-        self,
-        attn: torch.Tensor,
-        residual: torch.Tensor,
-        o_proj: Linear,
-        norm: torch.Tensor,
-        eps: float,
-        gate_up: Linear,
-        down: Linear,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return mlp_block(self, attn, residual, o_proj, norm, eps, gate_up, down)
+    # the compositions above, with this object as their ops
+    attention_inputs = attention_inputs
+    mlp_block = mlp_block
 
 
 TORCH_OPS = TorchOps()

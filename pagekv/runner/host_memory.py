@@ -35,6 +35,7 @@ import torch
 DISABLE_ENV = "PAGEKV_MALLOC_TUNING"
 HUGE_PAGES_ENV = "PAGEKV_HUGE_PAGES"
 HUGE_PAGE_BYTES = 2 << 20
+PAGE_BYTES = mmap.PAGESIZE
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 256 << 20  # blocks up to this size come from the heap
@@ -96,9 +97,6 @@ class HugePageArena:
             return torch.empty(shape, dtype=dtype)
         self._used = start + -(-nbytes // PAGE_BYTES) * PAGE_BYTES
         return raw[start : start + nbytes].view(dtype).view(shape)
-
-
-PAGE_BYTES = mmap.PAGESIZE
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
