@@ -162,51 +162,6 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia - ib).abs().max())
 
 
-@needs_fused
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("shape", [(960, 576), (579, 576), (576, 1536)], ids=str)
-def test_skinny_linear_is_within_a_bf16_ulp(rows: int, shape: tuple[int, int]) -> None:
-    """Decode-sized bf16 matmuls: the C kernel's float32 sums in another order than oneDNN's,
-    each rounded once, so at most one bf16 ulp from torch's (N = 579: a ragged last group)."""
-    n, k = shape
-    x = _randn(rows, k, dtype=torch.bfloat16)
-    weight = _randn(n, k, dtype=torch.bfloat16, seed=1) * 0.05
-    got = _fused().linear(x, weight, None, None)
-    expected = torch.nn.functional.linear(x, weight)
-    assert got.shape == expected.shape and got.dtype == torch.bfloat16
-    assert _bf16_ulps(got, expected) <= 1
-    exact = (x.double() @ weight.double().T).to(torch.bfloat16)  # the correctly rounded answer
-    assert _bf16_ulps(got, exact) <= 1
-
-
-@needs_fused
-@pytest.mark.skipif(not HAS_AVX512_BF16, reason="the skinny matmul needs AVX512-BF16")
-def test_skinny_linear_takes_only_its_shapes() -> None:
-    """The C side handles 1-4 rows with K a multiple of 32 and declines the rest (the Python
-    side then runs ``layer_ops.linear``: bit-identical to torch)."""
-    ops = _fused()
-    weight = _randn(64, 576, dtype=torch.bfloat16, seed=1)
-
-    def handled(rows: int, k: int = 576) -> bool:
-        x = _randn(rows, k, dtype=torch.bfloat16)
-        w = weight[:, :k].contiguous()
-        out = torch.empty(rows, 64, dtype=torch.bfloat16)
-        return ops._skinny(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, k, 64, 2) == 0
-
-    assert ops._skinny_max_rows == 4  # what the Python side checks before allocating
-    assert [handled(rows) for rows in (1, 4, 5, 64)] == [True, True, False, False]
-    assert not handled(2, k=48)
-    for x, bias in (
-        (_randn(5, 576, dtype=torch.bfloat16), None),
-        (_randn(2, 576, dtype=torch.bfloat16), weight[:, 0].contiguous()),
-    ):
-        expected = torch.nn.functional.linear(x, weight, bias)
-        torch.testing.assert_close(ops.linear(x, weight, None, bias), expected, atol=0, rtol=0)
-    x32 = _randn(2, 576, dtype=torch.float32)
-    w32 = weight.float()
-    torch.testing.assert_close(ops.linear(x32, w32, None, None), x32 @ w32.T, atol=0, rtol=0)
-
-
 @pytest.fixture(params=["amx", "avx512-bf16"])
 def matmul_unit(request: pytest.FixtureRequest) -> Iterator[str]:
     """The tiled matmul on each unit this CPU has (tiles, vectors), switched back after."""
@@ -224,12 +179,12 @@ needs_tiles = pytest.mark.usefixtures("matmul_unit")
 
 @needs_fused
 @needs_tiles
-@pytest.mark.parametrize("rows", [5, 16, 17, 64, 255, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 64, 255, 256])
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (64, 96)], ids=str)
 def test_tiled_linear_is_within_a_bf16_ulp_and_batch_invariant(
     rows: int, shape: tuple[int, int]
 ) -> None:
-    """Decode batches of 5-256 rows through the tiles (AMX or vectors): float32 sums rounded
+    """Decode batches of 1-256 rows through the tiles (AMX or vectors): float32 sums rounded
     once, within a bf16 ulp of torch's and of the correctly rounded product; and a row's
     numbers are the same whatever else is in the batch (oneDNN's are not above 32 rows)."""
     n, k = shape
@@ -249,18 +204,17 @@ def test_tiled_linear_is_within_a_bf16_ulp_and_batch_invariant(
         ulp = torch.ldexp(torch.ones_like(reference), torch.frexp(reference).exponent - 8)
         assert bool(((got.double() - reference).abs() <= ulp + 2**-16 * magnitude).all())
     assert int((got != expected).sum()) <= got.numel() // 20
-    alone = ops.linear(x[:5].contiguous(), weight, packed, None)
-    torch.testing.assert_close(got[:5], alone, atol=0, rtol=0)
-    last = ops.linear(x[-5:].contiguous(), weight, packed, None)  # the tail rows too
-    torch.testing.assert_close(got[-5:], last, atol=0, rtol=0)
+    for part in (slice(0, 1), slice(0, 5), slice(-5, None)):  # one row, the first, the tail
+        alone = ops.linear(x[part].contiguous(), weight, packed, None)
+        torch.testing.assert_close(got[part], alone, atol=0, rtol=0)
 
 
 @needs_fused
 @needs_tiles
 def test_tiled_linear_takes_only_its_shapes() -> None:
     """Weights whose sides are not multiples of 32 keep oneDNN's packing; more than 256 rows, a
-    bias, or float32 go to ``layer_ops.linear`` (bit-identical to torch); tiles that do not
-    match the weight are refused before the C side reads them."""
+    bias, float32 rows, or no tiles go to ``layer_ops.linear`` (bit-identical to torch); tiles
+    that do not match the weight are refused before the C side reads them."""
     ops = _fused()
     weight = _randn(64, 576, dtype=torch.bfloat16, seed=1)
     packed = ops.pack(weight)
@@ -269,12 +223,16 @@ def test_tiled_linear_takes_only_its_shapes() -> None:
     assert ragged is None or ragged.dim() == 2  # oneDNN's copy, not tiles
     float32 = ops.pack(weight.float())
     assert float32 is None or float32.dim() in (2, 3)  # stripes or oneDNN's: tiles are bf16 only
-    for x, bias in (
-        (_randn(257, 576, dtype=torch.bfloat16), None),
-        (_randn(8, 576, dtype=torch.bfloat16), weight[:, 0].contiguous()),
+    for x, bias, tiles in (
+        (_randn(257, 576, dtype=torch.bfloat16), None, packed),
+        (_randn(8, 576, dtype=torch.bfloat16), weight[:, 0].contiguous(), packed),
+        (_randn(2, 576, dtype=torch.bfloat16), None, None),
     ):
         expected = torch.nn.functional.linear(x, weight, bias)
-        torch.testing.assert_close(ops.linear(x, weight, packed, bias), expected, atol=0, rtol=0)
+        torch.testing.assert_close(ops.linear(x, weight, tiles, bias), expected, atol=0, rtol=0)
+    x32 = _randn(2, 576, dtype=torch.float32)
+    w32 = weight.float()
+    torch.testing.assert_close(ops.linear(x32, w32, None, None), x32 @ w32.T, atol=0, rtol=0)
     with pytest.raises(ValueError, match="tiles"):
         ops.linear(_randn(8, 576, dtype=torch.bfloat16), weight[:32], packed, None)
 
@@ -410,7 +368,7 @@ def test_layer_halves_in_one_call_are_the_ops_one_by_one(
     rows: int, first: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode batch's layer halves in one C call each give exactly the bits of the same ops
-    called one by one (the skinny matmul up to 4 rows, the tiles above), the residual stream
+    called one by one (the tiles for every matmul), the residual stream
     updated in place the same way."""
     ops = _fused()
     weights = _layer_weights(ops)

@@ -1,7 +1,7 @@
 """``LayerOps`` in C++: each of RMSNorm(+residual), RoPE+split and SiLU*up is one call per layer
 instead of 3-12 torch ops, for float32 and bfloat16 models; and, in bfloat16, the matmuls of
-decode steps (1-4 rows on AVX512-BF16, 5-256 rows on AMX tiles or AVX512-BF16 vectors, packed at
-load), which stream the weights faster than oneDNN does; in float32 (any AVX-512 CPU) every
+decode steps (1-256 rows, weights packed at load into tiles that AMX or AVX512-BF16 vectors
+multiply), which stream the weights faster than oneDNN does; in float32 (any AVX-512 CPU) every
 matmul, through weights packed in stripes (1.3-1.5x oneDNN's at 1-16 rows, even from 256). A
 decode layer's two halves around attention
 (``attention_inputs``, ``mlp_block``) are one C call each on those batches: the same kernels in
@@ -14,9 +14,9 @@ squares (another order) and exp (another polynomial) differ, by float32 ulps. Ro
 ``torch.get_num_threads()`` OpenMP threads once a call has enough work (a prefill chunk; a decode
 batch of short rows stays on one thread); each row is computed the same way whatever the split,
 so threads never change a bit. The bf16 matmuls sum in their own orders: the AMX kernel in the
-same order as oneDNN's up to 32 rows and in one order for any row count (oneDNN's order changes
-above 32 rows), the skinny 1-4 row kernel in another. So in bfloat16 a sequence's numbers
-depend, within a bf16 ulp per matmul, on whether its decode batch had 1-4, 5-256 or more rows.
+same order as oneDNN's up to 32 rows, and both tile kernels in one order for any row count
+(oneDNN's order changes above 32 rows). So in bfloat16 a sequence's numbers depend, within a
+bf16 ulp per matmul, only on whether its batch had up to 256 rows or more.
 The float32 matmul sums each output in one order (k ascending, one FMA chain) for any row
 count, so float32 stays batch-invariant; its sums differ from torch's by float32 rounding.
 
@@ -164,82 +164,8 @@ static void silu_mul(const T* gate_up, T* out, long rows, long inter, int thread
     }
 }
 
-// Skinny matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for 1-4 rows, float32 sums
-// (vdpbf16ps), each sum rounded once. A decode step's matmuls are this shape, and their cost is
-// streaming w: each thread streams its own contiguous slice of w's rows once, 4 rows at a time,
-// and every 32-wide piece of those rows meets all M input rows while it is in registers.
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <omp.h>
-static const int SKINNY_MAX_ROWS = 4;  // above, oneDNN's AMX kernels win (measured)
-// w is requested this many rows ahead, into L2: requests for L1 hold its few miss buffers until
-// their lines arrive (the 30 layers' and the LM head's weights at 1 row, AMD EPYC: 21 GB/s
-// into L1, 32 GB/s into L2, the memory's speed; 4 rows 16.5 vs 28 GB/s)
-static const long SKINNY_PREFETCH_ROWS = 16;
-
-// rows [m0, m0 + MB) of x against weight rows [n, n + NR): MB x NR float32 sums
-template <int MB, int NR>
-static inline void skinny_tile(const uint16_t* x, const uint16_t* w, uint16_t* out, long m0,
-                               long n, long K, long N) {
-    __m512 acc[MB][NR];
-    for (int m = 0; m < MB; ++m)
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t* wr = w + n * K;
-    for (long k = 0; k < K; k += 32) {
-        __m512bh wv[NR];
-        for (int r = 0; r < NR; ++r) {
-            wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
-            _mm_prefetch((const char*)(wr + (r + SKINNY_PREFETCH_ROWS) * K + k), _MM_HINT_T1);
-        }
-        for (int m = 0; m < MB; ++m) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + m) * K + k);
-            for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-        }
-    }
-    for (int m = 0; m < MB; ++m)
-        for (int r = 0; r < NR; ++r)
-            out[(m0 + m) * N + n + r] = store<uint16_t>(_mm512_reduce_add_ps(acc[m][r]));
-}
-
-template <int NR>
-static void skinny_rows(const uint16_t* x, const uint16_t* w, uint16_t* out, long M, long n,
-                        long K, long N) {
-    long m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) skinny_tile<4, NR>(x, w, out, m0, n, K, N);  // w rows in L1
-    switch (M - m0) {
-        case 3: skinny_tile<3, NR>(x, w, out, m0, n, K, N); break;
-        case 2: skinny_tile<2, NR>(x, w, out, m0, n, K, N); break;
-        case 1: skinny_tile<1, NR>(x, w, out, m0, n, K, N); break;
-        default: break;
-    }
-}
-
-extern "C" int skinny_linear_bf16(const void* x, const void* w, void* out, long M, long K,
-                                  long N, int threads) {
-    if (M < 1 || M > SKINNY_MAX_ROWS || K % 32 != 0) return -1;
-    const uint16_t* xs = (const uint16_t*)x;
-    const uint16_t* ws = (const uint16_t*)w;
-    uint16_t* os = (uint16_t*)out;
-    #pragma omp parallel num_threads(threads)
-    {
-        const long t = omp_get_thread_num(), nt = omp_get_num_threads(), groups = N / 4;
-        const long n0 = groups * t / nt * 4, n1 = groups * (t + 1) / nt * 4;
-        for (long n = n0; n < n1; n += 4) skinny_rows<4>(xs, ws, os, M, n, K, N);
-        if (t == nt - 1)
-            for (long n = groups * 4; n < N; ++n) skinny_rows<1>(xs, ws, os, M, n, K, N);
-    }
-    return 0;
-}
-extern "C" int skinny_linear_max_rows() { return SKINNY_MAX_ROWS; }
-#else
-extern "C" int skinny_linear_bf16(const void*, const void*, void*, long, long, long, int) {
-    return -1;  // no AVX512-BF16 here: the caller keeps torch's matmul
-}
-extern "C" int skinny_linear_max_rows() { return 0; }
-#endif
-
-// Tiled matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for the decode batches the skinny
-// kernel leaves (5 to 256 rows), with w packed once at load (tiles_pack_bf16) into AMX's tiles:
+// Tiled matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for decode batches (1 to 256
+// rows), with w packed once at load (tiles_pack_bf16) into AMX's tiles:
 // [N/16][K/32] tiles, each 16 k-pairs x 16 columns x 2 (the VNNI layout). Each thread owns a
 // range of 32-column stripes and streams their tiles once, prefetching the next stripe into L2
 // while it multiplies this one, spread evenly over all its passes over the stripe. Two units
@@ -545,9 +471,8 @@ ENTRIES(bf16, uint16_t)
 // A decode step's layer in two calls instead of nine, bfloat16: the ops above in the order
 // LlamaDecoderLayer calls them one by one, through the same kernels (so the same bits), the
 // intermediates in this thread's scratch instead of new tensors. Each matmul is the one
-// FusedOps.linear would pick: skinny on the plain weight up to 4 rows, else the tiles. Only for
-// row counts and shapes both kernels take; checked before anything is written (-1: the caller
-// goes op by op).
+// FusedOps.linear picks: the tiles. Only for row counts and shapes the tiles take; checked
+// before anything is written (-1: the caller goes op by op).
 #if defined(__AVX512BF16__)
 static uint16_t* scratch(long elements) {
     static thread_local std::vector<uint16_t> buffer;
@@ -559,17 +484,14 @@ static inline bool decode_matmul_fits(long M, long K, long N) {
     return M >= 1 && M <= TILED_MAX_ROWS && K % 32 == 0 && N % 32 == 0;
 }
 
-static inline void decode_matmul(const uint16_t* x, const void* w, const void* tiles,
-                                 uint16_t* out, long M, long K, long N, int unit, int threads) {
-    if (M <= SKINNY_MAX_ROWS)
-        skinny_linear_bf16(x, w, out, M, K, N, threads);
-    else
-        tiles_linear_bf16(x, tiles, out, M, K, N, unit, threads);
+static inline void decode_matmul(const uint16_t* x, const void* tiles, uint16_t* out, long M,
+                                 long K, long N, int unit, int threads) {
+    tiles_linear_bf16(x, tiles, out, M, K, N, unit, threads);
 }
 
 // x null (the first layer): the norm of the residual alone, which is left as it is.
 extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
-                                     const void* w_qkv, const void* t_qkv, const float* cos,
+                                     const void* t_qkv, const float* cos,
                                      const float* sin, void* q, void* k, void* v, long M,
                                      long hidden, int heads, int kv_heads, int head_dim,
                                      int unit, int threads) {
@@ -579,17 +501,16 @@ extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* 
     uint16_t* qkv = h + M * hidden;
     add_rms_norm<uint16_t>((const uint16_t*)x, (uint16_t*)residual, (const uint16_t*)norm, h, M,
                            hidden, eps, threads);
-    decode_matmul(h, w_qkv, t_qkv, qkv, M, hidden, width, unit, threads);
+    decode_matmul(h, t_qkv, qkv, M, hidden, width, unit, threads);
     split_rope<uint16_t>(qkv, width, (uint16_t*)q, (uint16_t*)k, (uint16_t*)v, cos, sin, M,
                          heads, kv_heads, head_dim, threads);
     return 0;
 }
 
-extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* w_o, const void* t_o,
-                              const void* norm, float eps, const void* w_gate_up,
-                              const void* t_gate_up, const void* w_down, const void* t_down,
-                              void* out, long M, long hidden, long q_size, long inter, int unit,
-                              int threads) {
+extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* t_o,
+                              const void* norm, float eps, const void* t_gate_up,
+                              const void* t_down, void* out, long M, long hidden, long q_size,
+                              long inter, int unit, int threads) {
     if (!decode_matmul_fits(M, q_size, hidden) || !decode_matmul_fits(M, hidden, 2 * inter) ||
         !decode_matmul_fits(M, inter, hidden) || unit < 1 || unit > best_tile_unit())
         return -1;
@@ -597,23 +518,23 @@ extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* w_o,
     uint16_t* h = o + M * hidden;
     uint16_t* gate_up = h + M * hidden;
     uint16_t* act = gate_up + M * 2 * inter;
-    decode_matmul((const uint16_t*)attn, w_o, t_o, o, M, q_size, hidden, unit, threads);
+    decode_matmul((const uint16_t*)attn, t_o, o, M, q_size, hidden, unit, threads);
     add_rms_norm<uint16_t>(o, (uint16_t*)residual, (const uint16_t*)norm, h, M, hidden, eps,
                            threads);
-    decode_matmul(h, w_gate_up, t_gate_up, gate_up, M, hidden, 2 * inter, unit, threads);
+    decode_matmul(h, t_gate_up, gate_up, M, hidden, 2 * inter, unit, threads);
     silu_mul<uint16_t>(gate_up, act, M, inter, threads);
-    decode_matmul(act, w_down, t_down, (uint16_t*)out, M, inter, hidden, unit, threads);
+    decode_matmul(act, t_down, (uint16_t*)out, M, inter, hidden, unit, threads);
     return 0;
 }
 #else
 extern "C" int attention_inputs_bf16(const void*, void*, const void*, float, const void*,
-                                     const void*, const float*, const float*, void*, void*,
-                                     void*, long, long, int, int, int, int, int) {
+                                     const float*, const float*, void*, void*, void*, long,
+                                     long, int, int, int, int, int) {
     return -1;
 }
-extern "C" int mlp_block_bf16(const void*, void*, const void*, const void*, const void*, float,
-                              const void*, const void*, const void*, const void*, void*, long,
-                              long, long, long, int, int) {
+extern "C" int mlp_block_bf16(const void*, void*, const void*, const void*, float,
+                              const void*, const void*, void*, long, long, long, long, int,
+                              int) {
     return -1;
 }
 #endif
@@ -644,11 +565,6 @@ class FusedOps:
                 fn.restype = None
                 fn.argtypes = argtypes
                 self._functions[(op, dtype)] = fn
-        self._skinny = library.skinny_linear_bf16
-        self._skinny.restype = ctypes.c_int
-        self._skinny.argtypes = [_P, _P, _P, _L, _L, _L, _I]
-        library.skinny_linear_max_rows.restype = ctypes.c_int
-        self._skinny_max_rows = int(library.skinny_linear_max_rows())  # 0: not on this CPU
         self._tiled = library.tiles_linear_bf16
         self._tiled.restype = ctypes.c_int
         self._tiled.argtypes = [_P, _P, _P, _L, _L, _L, _I, _I]
@@ -662,11 +578,11 @@ class FusedOps:
         self._unit = self._best_unit  # which multiplies the tiles: 2 AMX, 1 vectors
         self._attention_inputs = library.attention_inputs_bf16
         self._attention_inputs.restype = _I
-        self._attention_inputs.argtypes = [_P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _L, _L]
+        self._attention_inputs.argtypes = [_P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _L, _L]
         self._attention_inputs.argtypes += [_I] * 5
         self._mlp_block = library.mlp_block_bf16
         self._mlp_block.restype = _I
-        self._mlp_block.argtypes = [_P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _L, _L, _L, _L]
+        self._mlp_block.argtypes = [_P, _P, _P, _P, _F, _P, _P, _P, _L, _L, _L, _L]
         self._mlp_block.argtypes += [_I, _I]
         self._stripes_pack = library.stripes_pack_f32
         self._stripes_pack.restype = None
@@ -791,10 +707,9 @@ class FusedOps:
         packed: torch.Tensor | None,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        """bf16 without bias: at up to 4 rows (the C side's ``SKINNY_MAX_ROWS``; none on CPUs
-        without AVX512-BF16) the skinny C matmul; at up to 256 rows with tiles from ``pack``
-        the tiled kernel (AMX, or vectors). Both are within a bf16 ulp of torch's matmul and
-        stream a step's weights faster than oneDNN up to 32 rows (about even above).
+        """bf16 without bias, at up to 256 rows with tiles from ``pack`` (none on CPUs without
+        AVX512-BF16): the tiled kernel (AMX, or vectors), within a bf16 ulp of torch's matmul,
+        streaming a step's weights faster than oneDNN up to 32 rows (about even above).
         float32 without bias, with stripes from ``pack``: the float32 kernel at any row count.
         Otherwise ``layer_ops.linear``."""
         rows, width = x.shape
@@ -807,27 +722,15 @@ class FusedOps:
                 args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width)
                 if self._stripes(*args, weight.shape[0], _threads()) == 0:
                     return out
-        if (
-            x.dtype == weight.dtype == torch.bfloat16
-            and bias is None
-            and x.is_contiguous()
-            and weight.shape[1] == width
-        ):
+        if packed is not None and packed.dim() == 4 and rows <= self._tiles_max_rows:
             out_features = weight.shape[0]
-            # the C matmul for this shape, what it reads, its extra arguments
-            chosen: tuple[Any, torch.Tensor, tuple[int, ...]] | None = None
-            if rows <= self._skinny_max_rows and width % 32 == 0 and weight.is_contiguous():
-                chosen = (self._skinny, weight, ())
-            elif packed is not None and packed.dim() == 4 and rows <= self._tiles_max_rows:
-                if packed.shape != (out_features // 16, width // 32, 16, 32):
-                    raise ValueError("fused linear: packed tiles do not match the weight")
-                chosen = (self._tiled, packed, (self._unit,))
-            if chosen is not None:
-                kernel, operand, extra = chosen
+            if packed.shape != (out_features // 16, width // 32, 16, 32):
+                raise ValueError("fused linear: packed tiles do not match the weight")
+            if x.dtype == torch.bfloat16 and bias is None and x.is_contiguous():
                 out = torch.empty((rows, out_features), dtype=x.dtype)
-                args = (x.data_ptr(), operand.data_ptr(), out.data_ptr(), rows, width)
-                if kernel(*args, out_features, *extra, _threads()) == 0:  # else: use torch
-                    return out
+                args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width)
+                if self._tiled(*args, out_features, self._unit, _threads()) == 0:
+                    return out  # else (a shape the C side declines): torch
         return layer_ops.linear(x, weight, None if ours else packed, bias)
 
     def attention_inputs(
@@ -843,8 +746,7 @@ class FusedOps:
         num_kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``layer_ops.attention_inputs`` in one C call for bf16 decode batches whose matmul
-        the skinny or tiled kernel takes (the same kernels, so the same bits); op by op
-        otherwise."""
+        the tiles take (the same kernels, so the same bits); op by op otherwise."""
         rows, hidden = residual.shape
         half = cos.shape[-1]
         if (
@@ -865,7 +767,6 @@ class FusedOps:
                 residual.data_ptr(),
                 norm.data_ptr(),
                 eps,
-                qkv.weight.data_ptr(),
                 _tiles(qkv.packed),
                 cos.data_ptr(),
                 sin.data_ptr(),
@@ -897,8 +798,7 @@ class FusedOps:
         down: layer_ops.Linear,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer_ops.mlp_block`` in one C call for bf16 decode batches whose matmuls the
-        skinny or tiled kernel takes (the same kernels, so the same bits); op by op
-        otherwise."""
+        tiles take (the same kernels, so the same bits); op by op otherwise."""
         rows, hidden = residual.shape
         inter = down.weight.shape[1]
         if (
@@ -914,13 +814,10 @@ class FusedOps:
             status = self._mlp_block(
                 attn.data_ptr(),
                 residual.data_ptr(),
-                o_proj.weight.data_ptr(),
                 _tiles(o_proj.packed),
                 norm.data_ptr(),
                 eps,
-                gate_up.weight.data_ptr(),
                 _tiles(gate_up.packed),
-                down.weight.data_ptr(),
                 _tiles(down.packed),
                 out.data_ptr(),
                 rows,
@@ -943,7 +840,7 @@ class FusedOps:
     ) -> bool:
         """Whether a layer half of ``rows`` bf16 rows can go through one C call: the residual
         and norm as the C side reads them, and every matmul one ``linear`` would give the
-        skinny kernel (up to its rows) or the tiles (a bias never)."""
+        tiles (a bias never)."""
         if not (
             0 < rows <= self._tiles_max_rows
             and residual.dtype == norm.dtype == torch.bfloat16
@@ -954,10 +851,10 @@ class FusedOps:
             return False
         for weight, packed, bias in linears:
             out_features, in_features = weight.shape
-            if bias is not None or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
-                return False
             tiles = (out_features // 16, in_features // 32, 16, 32)
-            if rows > self._skinny_max_rows and (packed is None or packed.shape != tiles):
+            if bias is not None or weight.dtype != torch.bfloat16 or packed is None:
+                return False
+            if packed.shape != tiles:
                 return False
         return True
 

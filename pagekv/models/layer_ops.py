@@ -4,7 +4,7 @@
 Owns their contract (``LayerOps``) and the reference implementation in torch ops (``TorchOps``),
 which defines the numbers: the C versions in ``fused_ops.py`` agree with it exactly where the
 math is the same (residual add, RoPE) and within a bfloat16 ulp elsewhere (a float32 sum in
-another order, another exp; the skinny bf16 matmul). Why swappable: at decode sizes each torch
+another order, another exp; the tiled bf16 matmul). Why swappable: at decode sizes each torch
 op costs mostly its dispatch, and a layer spends ~40 of them here, and oneDNN streams a decode
 step's weights at half the memory's speed; the runner's fast path swaps in the C ops, the model
 itself never chooses.
