@@ -140,16 +140,18 @@ static void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table
     const uint16_t* krow[32];
     const uint16_t* vrow[32];
     for (int first = 0; first < padded; first += 32) {
-        // the next 32 rows, requested now: blocks lie anywhere in the pool, so the hardware
-        // prefetcher loses the stream at every block boundary
+        // the next 32 rows, requested now into L2: blocks lie anywhere in the pool, so the
+        // hardware prefetcher loses the stream at every block boundary; into L1 they would hold
+        // its few miss buffers (drafted decodes, 64 x 5 queries over 340 positions, 30 layers
+        // from memory: 63.7 ms into L1, 46.3 into L2)
         for (int t = first + 32; t < first + 64 && t < seq_len; ++t) {
             const long slot = long(table[t / block_size]) * block_size + t % block_size;
             const char* k = (const char*)(kc + slot * token_stride + long(h) * D);
             const char* v = (const char*)(vc + slot * token_stride + long(h) * D);
-            _mm_prefetch(k, _MM_HINT_T0);
-            _mm_prefetch(k + 64, _MM_HINT_T0);
-            _mm_prefetch(v, _MM_HINT_T0);
-            _mm_prefetch(v + 64, _MM_HINT_T0);
+            _mm_prefetch(k, _MM_HINT_T1);
+            _mm_prefetch(k + 64, _MM_HINT_T1);
+            _mm_prefetch(v, _MM_HINT_T1);
+            _mm_prefetch(v + 64, _MM_HINT_T1);
         }
         for (int i = 0; i < 32; ++i) {
             const int t = first + i;
