@@ -151,7 +151,7 @@ def test_chunks_of_one_shape_are_attended_together(dtype: torch.dtype) -> None:
 
 @dataclass
 class PrefillStep:
-    """A step of bf16 prefill chunks only: q and the new k/v [T, heads, 64] in flat order."""
+    """A step of prefill chunks only: q and the new k/v [T, heads, 64] in flat order."""
 
     q: torch.Tensor
     new_k: torch.Tensor
@@ -168,7 +168,11 @@ NO_DECODE = DecodeBatch(torch.zeros(0, 0, dtype=torch.int32), torch.zeros(0, dty
 
 
 def _prefill_step(
-    seed: int, lens: list[tuple[int, int]], heads: tuple[int, int], block_size: int
+    seed: int,
+    lens: list[tuple[int, int]],
+    heads: tuple[int, int],
+    block_size: int,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> PrefillStep:
     """Prefill chunks of (history, new tokens) through shuffled blocks, NaN in every slot no
     chunk has written."""
@@ -177,8 +181,8 @@ def _prefill_step(
     needed = [-(-(h + n) // block_size) for h, n in lens]
     order = torch.randperm(sum(needed) + 2, generator=gen)
     shape = (sum(needed) + 2, block_size, num_kv_heads, 64)
-    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
-    v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
     chunks, new_k, new_v, used, start = [], [], [], 0, 0
     for (history, new), count in zip(lens, needed, strict=True):
         blocks = order[used : used + count]
@@ -192,7 +196,7 @@ def _prefill_step(
         mask = positions[None, :] <= (history + torch.arange(new))[:, None]
         chunks.append(PrefillChunk(start, new, history + new, blocks, mask if history else None))
         start += new
-    q = torch.randn(start, num_heads, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(start, num_heads, 64, generator=gen).to(dtype)
     layout = StepLayout(0, NO_DECODE, tuple(chunks))
     return PrefillStep(q, torch.cat(new_k), torch.cat(new_v), (k_cache, v_cache), layout)
 
@@ -231,6 +235,35 @@ def test_prefill_kernel_matches_float32_attention(heads: tuple[int, int], block_
         error = (out[rows].float() - expected).abs().max().item()
         sdpa_error = (sdpa[rows].float() - expected).abs().max().item()
         assert error <= max(2 * sdpa_error, 1e-2), (chunk, error, sdpa_error)
+
+
+@pytest.mark.skipif(
+    PREFILL is None or not PREFILL.supports_prefill(torch.float32, 64),
+    reason="the float32 prefill kernel needs AVX-512 (and a compiler)",
+)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
+def test_float32_prefill_kernel_matches_sdpa(heads: tuple[int, int], block_size: int) -> None:
+    """float32 chunks (whole prompts, chunks over a history, 2 to 333 new tokens: partial query
+    and key blocks) through the kernel: within float32 rounding of SDPA on the same numbers,
+    never reading an unwritten (NaN) slot, and a chunk's rows the same bits alone in its step
+    as beside the others."""
+    assert PREFILL is not None
+    lens = [(0, 277), (0, 5), (48, 100), (13, 2), (0, 64), (200, 133), (0, 2), (63, 65)]
+    step = _prefill_step(block_size, lens, heads, block_size, torch.float32)
+    out, sdpa = step.attend(PREFILL), step.attend(None)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out, sdpa, atol=2e-5, rtol=2e-5)
+    for chunk in step.layout.prefill:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        alone = PrefillStep(
+            step.q[rows],
+            step.new_k[rows],
+            step.new_v[rows],
+            step.caches,
+            StepLayout(0, NO_DECODE, (dataclasses.replace(chunk, token_start=0),)),
+        ).attend(PREFILL)
+        torch.testing.assert_close(alone, out[rows], atol=0, rtol=0)
 
 
 @needs_prefill_kernel

@@ -1,14 +1,15 @@
 """Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
-through the prefill kernel (bf16: AMX tiles or AVX512-BF16 vectors) or SDPA; drafted decodes
+through the prefill kernel (bf16: AMX tiles or AVX512-BF16 vectors; float32: AVX-512 FMAs) or
+SDPA; drafted decodes
 (several tokens a sequence) in bf16 through the prefill kernel's tiles too. Agrees with
 ``paged_attention_reference`` (tests/test_attention_fast.py).
 
 Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
 ``KVCache``. Why two paths: a decode row is one query over a long history, where the cost is
 reading K/V, so the kernel reads every cached row in place, once; a prefill chunk is many
-queries, where the cost is the QK^T and PV products, so blocked products win: in bf16 the
-prefill kernel's tiles (prefill_kernel.py, all chunks in one call, K/V read through the
-blocks), otherwise SDPA's. The reference instead pads every row to the longest query and the
+queries, where the cost is the QK^T and PV products, so blocked products win: the prefill
+kernel's (prefill_kernel.py, all chunks in one call, K/V read through the blocks), else
+SDPA's. The reference instead pads every row to the longest query and the
 longest history of the batch.
 
 Flat token order of a step (decode rows first, see ``batch.prepare_step``)::
@@ -18,7 +19,7 @@ Flat token order of a step (decode rows first, see ``batch.prepare_step``)::
     decode:  kernel over block tables, seq_lens          -> out[:3]
     chunk 0: no history: SDPA(q, k, v of this step, causal)
     chunk 1: history: SDPA(q, K/V of 51 slots read via its blocks, causal offset by 48)
-    bf16:    both chunks in one prefill kernel call over their blocks (offset 0 and 48)
+    kernel:  both chunks in one prefill kernel call over their blocks (offset 0 and 48)
 
 Must not import ``pagekv.core``, ``models`` or ``server``.
 """
@@ -206,11 +207,11 @@ class FastAttention:
     def _prefill_by_kernel(
         self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor
     ) -> bool:
-        """All prefill rows of ``out`` by the prefill kernel, if it takes this step (bf16)."""
+        """All prefill rows of ``out`` by the prefill kernel, if it takes this step."""
         kernel, (k_cache, v_cache) = self.prefill_kernel, caches
         if (
             kernel is None
-            or not kernel.supports(k_cache.dtype, q.shape[-1])
+            or not kernel.supports_prefill(k_cache.dtype, q.shape[-1])
             or not out.is_contiguous()
         ):
             return False
