@@ -254,25 +254,12 @@ def test_float32_prefill_kernel_matches_sdpa(heads: tuple[int, int], block_size:
     out, sdpa = step.attend(PREFILL), step.attend(None)
     assert out.dtype == torch.float32 and not out.isnan().any()
     torch.testing.assert_close(out, sdpa, atol=2e-5, rtol=2e-5)
-    for chunk in step.layout.prefill:
-        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-        alone = PrefillStep(
-            step.q[rows],
-            step.new_k[rows],
-            step.new_v[rows],
-            step.caches,
-            StepLayout(0, NO_DECODE, (dataclasses.replace(chunk, token_start=0),)),
-        ).attend(PREFILL)
-        torch.testing.assert_close(alone, out[rows], atol=0, rtol=0)
+    _assert_each_chunk_alone_is_the_same(step, out)
 
 
-@needs_prefill_kernel
-def test_prefill_kernel_rows_do_not_depend_on_the_step() -> None:
-    """A chunk's rows are the same bits alone in its step as beside other chunks (its query
-    blocks' extra keys add exact zeros; threads split work, never a row's sums)."""
-    lens = [(0, 40), (17, 30), (0, 300), (100, 9)]
-    step = _prefill_step(3, lens, (NUM_HEADS, NUM_KV_HEADS), 16)
-    together = step.attend(PREFILL)
+def _assert_each_chunk_alone_is_the_same(step: PrefillStep, together: torch.Tensor) -> None:
+    """Each chunk of ``step`` attended alone in a step gives the bits it got beside the others
+    (``together``, the whole step's output through the prefill kernel)."""
     for chunk in step.layout.prefill:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         alone = PrefillStep(
@@ -283,6 +270,15 @@ def test_prefill_kernel_rows_do_not_depend_on_the_step() -> None:
             StepLayout(0, NO_DECODE, (dataclasses.replace(chunk, token_start=0),)),
         ).attend(PREFILL)
         torch.testing.assert_close(alone, together[rows], atol=0, rtol=0)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_rows_do_not_depend_on_the_step() -> None:
+    """A chunk's rows are the same bits alone in its step as beside other chunks (its query
+    blocks' extra keys add exact zeros; threads split work, never a row's sums)."""
+    lens = [(0, 40), (17, 30), (0, 300), (100, 9)]
+    step = _prefill_step(3, lens, (NUM_HEADS, NUM_KV_HEADS), 16)
+    _assert_each_chunk_alone_is_the_same(step, step.attend(PREFILL))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

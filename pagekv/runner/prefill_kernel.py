@@ -68,6 +68,47 @@ _SOURCE = (
 // A prefill chunk as the caller lays it out (PrefillBatch.chunks).
 struct Chunk { int64_t q_start, num_tokens, seq_len, table_offset; };
 
+// A prefill call's work, for either element type. Each (chunk, kv head) packs its K/V of
+// `padded(c)` positions once, at pack_at(c, h) of one buffer (K then V, head_dim numbers a
+// position); then each (chunk, query head, block of 16 queries) is one item, chunk after chunk.
+struct PrefillWork {
+    struct Item {
+        int chunk, head, rows, first_visible;  // rows: queries of the block; row r sees keys
+        long first_row, pack;                  // [0, first_visible + r)
+    };
+    const Chunk* chunks;
+    int num_heads, kv_heads, pad, head_dim, width;  // width: the widest padded chunk
+    std::vector<long> offset, first_item;           // per chunk, and one past the last
+
+    PrefillWork(const Chunk* chunks, int num_chunks, int num_heads, int kv_heads, int pad,
+                int head_dim)
+        : chunks(chunks), num_heads(num_heads), kv_heads(kv_heads), pad(pad),
+          head_dim(head_dim), width(pad), offset(num_chunks + 1, 0),
+          first_item(num_chunks + 1, 0) {
+        for (int c = 0; c < num_chunks; ++c) {
+            width = padded(c) > width ? padded(c) : width;
+            offset[c + 1] = offset[c] + long(kv_heads) * padded(c) * head_dim * 2;
+            const long blocks = (chunks[c].num_tokens + 15) / 16;  // of queries
+            first_item[c + 1] = first_item[c] + long(num_heads) * blocks;
+        }
+    }
+    int padded(int c) const { return int((chunks[c].seq_len + pad - 1) / pad * pad); }
+    long pack_at(int c, int h) const { return offset[c] + long(h) * padded(c) * head_dim * 2; }
+    long packed_size() const { return offset.back(); }
+    long items() const { return first_item.back(); }
+    Item item(long i) const {
+        int c = 0;
+        while (first_item[c + 1] <= i) ++c;
+        const Chunk& ch = chunks[c];
+        const long local = i - first_item[c];
+        const int head = int(local % num_heads), block = int(local / num_heads);
+        const long left = ch.num_tokens - block * 16L;  // queries from this block on
+        return {c, head, int(left < 16 ? left : 16),
+                int(ch.seq_len - ch.num_tokens) + block * 16 + 1, ch.q_start + block * 16L,
+                pack_at(c, head / (num_heads / kv_heads))};
+    }
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_TILES 1
@@ -362,18 +403,9 @@ extern "C" int prefill_attention_bf16_d64(const void* q, const void* kc, const v
                                           int block_size, float scale, int threads) {
     if (num_heads % kv_heads != 0) return -1;
     const Chunk* chunks = (const Chunk*)chunk_info;
-    const int group = num_heads / kv_heads;
     const long token_stride = long(kv_heads) * D, row_stride = long(num_heads) * D;
-    // where each (chunk, kv head)'s tiles go, and the work items: (chunk, head, query block)
-    std::vector<long> offset(num_chunks + 1, 0), first_item(num_chunks + 1, 0);
-    int width = PAD;
-    for (int c = 0; c < num_chunks; ++c) {
-        const int padded = int((chunks[c].seq_len + PAD - 1) / PAD * PAD);
-        width = padded > width ? padded : width;
-        offset[c + 1] = offset[c] + long(kv_heads) * padded * D * 2;  // K and V
-        first_item[c + 1] = first_item[c] + long(num_heads) * ((chunks[c].num_tokens + 15) / 16);
-    }
-    if (long(packed.size()) < offset[num_chunks]) packed.resize(offset[num_chunks]);
+    const PrefillWork work(chunks, num_chunks, num_heads, kv_heads, PAD, D);
+    if (long(packed.size()) < work.packed_size()) packed.resize(work.packed_size());
     uint16_t* tiles = packed.data();
     const uint16_t* qs = (const uint16_t*)q;
     uint16_t* os = (uint16_t*)out;
@@ -382,32 +414,22 @@ extern "C" int prefill_attention_bf16_d64(const void* q, const void* kc, const v
         tiles_begin();
         #pragma omp for schedule(dynamic)
         for (long task = 0; task < long(num_chunks) * kv_heads; ++task) {
-            const Chunk& ch = chunks[task / kv_heads];
-            const int h = int(task % kv_heads);
-            const int padded = int((ch.seq_len + PAD - 1) / PAD * PAD);
-            uint16_t* kp = tiles + offset[task / kv_heads] + long(h) * padded * D * 2;
-            pack_kv((const uint16_t*)kc, (const uint16_t*)vc, tables + ch.table_offset,
-                    int(ch.seq_len), padded, block_size, token_stride, h, kp,
-                    kp + long(padded) * D);
+            const int c = int(task / kv_heads), h = int(task % kv_heads);
+            uint16_t* kp = tiles + work.pack_at(c, h);
+            pack_kv((const uint16_t*)kc, (const uint16_t*)vc, tables + chunks[c].table_offset,
+                    int(chunks[c].seq_len), work.padded(c), block_size, token_stride, h, kp,
+                    kp + long(work.padded(c)) * D);
         }
-        std::vector<float> scores(16L * width);
-        std::vector<uint16_t> probs(16L * width);
+        std::vector<float> scores(16L * work.width);
+        std::vector<uint16_t> probs(16L * work.width);
         #pragma omp for schedule(dynamic)
-        for (long item = 0; item < first_item[num_chunks]; ++item) {
-            int c = 0;
-            while (first_item[c + 1] <= item) ++c;
-            const Chunk& ch = chunks[c];
-            const long local = item - first_item[c];
-            const int head = int(local % num_heads), block = int(local / num_heads);
-            const int h = head / group, padded = int((ch.seq_len + PAD - 1) / PAD * PAD);
-            const uint16_t* kp = tiles + offset[c] + long(h) * padded * D * 2;
-            const long row = ch.q_start + block * 16L;
-            const long left = ch.num_tokens - block * 16L;  // queries from this block on
-            const int rows = int(left < 16 ? left : 16);
-            const int history = int(ch.seq_len - ch.num_tokens);
-            attend_block(qs + row * row_stride + head * D, os + row * row_stride + head * D,
-                         row_stride, rows, history + block * 16 + 1, kp, kp + long(padded) * D,
-                         scale, scores.data(), probs.data(), width);
+        for (long i = 0; i < work.items(); ++i) {
+            const PrefillWork::Item it = work.item(i);
+            const uint16_t* kp = tiles + it.pack;
+            const long at = it.first_row * row_stride + it.head * D;
+            attend_block(qs + at, os + at, row_stride, it.rows, it.first_visible, kp,
+                         kp + long(work.padded(it.chunk)) * D, scale, scores.data(),
+                         probs.data(), work.width);
         }
         tiles_end();
     }
@@ -676,17 +698,9 @@ extern "C" int prefill_attention_f32_d64(const void* q, const void* kc, const vo
     using f32::D;
     if (num_heads % kv_heads != 0) return -1;
     const Chunk* chunks = (const Chunk*)chunk_info;
-    const int group = num_heads / kv_heads;
     const long token_stride = long(kv_heads) * D, row_stride = long(num_heads) * D;
-    std::vector<long> offset(num_chunks + 1, 0), first_item(num_chunks + 1, 0);
-    int width = 16;
-    for (int c = 0; c < num_chunks; ++c) {
-        const int padded = int((chunks[c].seq_len + 15) / 16 * 16);
-        width = padded > width ? padded : width;
-        offset[c + 1] = offset[c] + long(kv_heads) * padded * D * 2;  // K and V
-        first_item[c + 1] = first_item[c] + long(num_heads) * ((chunks[c].num_tokens + 15) / 16);
-    }
-    if (long(f32::packed.size()) < offset[num_chunks]) f32::packed.resize(offset[num_chunks]);
+    const PrefillWork work(chunks, num_chunks, num_heads, kv_heads, 16, D);
+    if (long(f32::packed.size()) < work.packed_size()) f32::packed.resize(work.packed_size());
     float* tiles = f32::packed.data();
     const float* qs = (const float*)q;
     float* os = (float*)out;
@@ -694,30 +708,21 @@ extern "C" int prefill_attention_f32_d64(const void* q, const void* kc, const vo
     {
         #pragma omp for schedule(dynamic)
         for (long task = 0; task < long(num_chunks) * kv_heads; ++task) {
-            const Chunk& ch = chunks[task / kv_heads];
-            const int h = int(task % kv_heads);
-            const int padded = int((ch.seq_len + 15) / 16 * 16);
-            float* kt = tiles + offset[task / kv_heads] + long(h) * padded * D * 2;
-            f32::pack_kv((const float*)kc, (const float*)vc, tables + ch.table_offset,
-                         int(ch.seq_len), padded, block_size, token_stride, h, kt,
-                         kt + long(padded) * D);
+            const int c = int(task / kv_heads), h = int(task % kv_heads);
+            float* kt = tiles + work.pack_at(c, h);
+            f32::pack_kv((const float*)kc, (const float*)vc, tables + chunks[c].table_offset,
+                         int(chunks[c].seq_len), work.padded(c), block_size, token_stride, h,
+                         kt, kt + long(work.padded(c)) * D);
         }
-        std::vector<float> scores(16L * width);
+        std::vector<float> scores(16L * work.width);
         #pragma omp for schedule(dynamic)
-        for (long item = 0; item < first_item[num_chunks]; ++item) {
-            int c = 0;
-            while (first_item[c + 1] <= item) ++c;
-            const Chunk& ch = chunks[c];
-            const long local = item - first_item[c];
-            const int head = int(local % num_heads), block = int(local / num_heads);
-            const int h = head / group, padded = int((ch.seq_len + 15) / 16 * 16);
-            const float* kt = tiles + offset[c] + long(h) * padded * D * 2;
-            const long row = ch.q_start + block * 16L;
-            const long left = ch.num_tokens - block * 16L;
-            const int history = int(ch.seq_len - ch.num_tokens);
-            f32::attend_block(qs + row * row_stride + head * D, os + row * row_stride + head * D,
-                              row_stride, int(left < 16 ? left : 16), history + block * 16 + 1,
-                              kt, kt + long(padded) * D, scale, scores.data(), width);
+        for (long i = 0; i < work.items(); ++i) {
+            const PrefillWork::Item it = work.item(i);
+            const float* kt = tiles + it.pack;
+            const long at = it.first_row * row_stride + it.head * D;
+            f32::attend_block(qs + at, os + at, row_stride, it.rows, it.first_visible, kt,
+                              kt + long(work.padded(it.chunk)) * D, scale, scores.data(),
+                              work.width);
         }
     }
     return 0;
