@@ -484,11 +484,6 @@ static inline bool decode_matmul_fits(long M, long K, long N) {
     return M >= 1 && M <= TILED_MAX_ROWS && K % 32 == 0 && N % 32 == 0;
 }
 
-static inline void decode_matmul(const uint16_t* x, const void* tiles, uint16_t* out, long M,
-                                 long K, long N, int unit, int threads) {
-    tiles_linear_bf16(x, tiles, out, M, K, N, unit, threads);
-}
-
 // x null (the first layer): the norm of the residual alone, which is left as it is.
 extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
                                      const void* t_qkv, const float* cos,
@@ -501,7 +496,7 @@ extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* 
     uint16_t* qkv = h + M * hidden;
     add_rms_norm<uint16_t>((const uint16_t*)x, (uint16_t*)residual, (const uint16_t*)norm, h, M,
                            hidden, eps, threads);
-    decode_matmul(h, t_qkv, qkv, M, hidden, width, unit, threads);
+    tiles_linear_bf16(h, t_qkv, qkv, M, hidden, width, unit, threads);
     split_rope<uint16_t>(qkv, width, (uint16_t*)q, (uint16_t*)k, (uint16_t*)v, cos, sin, M,
                          heads, kv_heads, head_dim, threads);
     return 0;
@@ -518,12 +513,12 @@ extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* t_o,
     uint16_t* h = o + M * hidden;
     uint16_t* gate_up = h + M * hidden;
     uint16_t* act = gate_up + M * 2 * inter;
-    decode_matmul((const uint16_t*)attn, t_o, o, M, q_size, hidden, unit, threads);
+    tiles_linear_bf16(attn, t_o, o, M, q_size, hidden, unit, threads);
     add_rms_norm<uint16_t>(o, (uint16_t*)residual, (const uint16_t*)norm, h, M, hidden, eps,
                            threads);
-    decode_matmul(h, t_gate_up, gate_up, M, hidden, 2 * inter, unit, threads);
+    tiles_linear_bf16(h, t_gate_up, gate_up, M, hidden, 2 * inter, unit, threads);
     silu_mul<uint16_t>(gate_up, act, M, inter, threads);
-    decode_matmul(act, t_down, (uint16_t*)out, M, inter, hidden, unit, threads);
+    tiles_linear_bf16(act, t_down, out, M, inter, hidden, unit, threads);
     return 0;
 }
 #else
