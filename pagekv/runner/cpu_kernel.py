@@ -345,19 +345,22 @@ static inline void softmax_rows(float* scores, int rows, int len, long stride, f
 }
 #endif
 
-// Prefetches the rows of kv head `kvh` at positions [first, end) into L2: blocks sit anywhere
-// in the pool, so the hardware prefetcher loses the stream at every block boundary. Into L2,
-// not L1: requests for L1 hold its few miss buffers until their lines arrive, so fewer rows
-// are in flight (a 64-row step over 340 positions of history, 30 layers, AMD EPYC: K/V read at
-// 15 GB/s with L1 prefetches 16 rows ahead, 25 GB/s with L2 prefetches 16-48 rows ahead).
+// Requests [start, start + bytes) into L2. Not L1: requests for L1 hold its few miss buffers
+// until their lines arrive, so fewer rows are in flight (a 64-row step over 340 positions of
+// history, 30 layers, AMD EPYC: K/V read at 15 GB/s with L1 prefetches 16 rows ahead, 25 GB/s
+// with L2 prefetches 16-48 rows ahead).
+static inline void prefetch_l2(const void* start, long bytes) {
+    for (long byte = 0; byte < bytes; byte += 64)
+        __builtin_prefetch((const char*)start + byte, 0, 2);
+}
+
+// Into L2, the rows of kv head `kvh` at positions [first, end): blocks sit anywhere in the
+// pool, so the hardware prefetcher loses the stream at every block boundary.
 template <typename KV, int D>
 static inline void prefetch_rows(const KV* cache, const long* slots, int first, int end,
                                  long stride, int kvh) {
-    for (int pos = first; pos < end; ++pos) {
-        const char* p = (const char*)(cache + slots[pos] * stride + long(kvh) * D);
-        for (long byte = 0; byte < long(sizeof(KV)) * D; byte += 64)
-            __builtin_prefetch(p + byte, 0, 2);
-    }
+    for (int pos = first; pos < end; ++pos)
+        prefetch_l2(cache + slots[pos] * stride + long(kvh) * D, long(sizeof(KV)) * D);
 }
 
 // Into L2, every kv head's rows at positions [first, end) of a sequence whose slots are not
@@ -367,9 +370,7 @@ static inline void prefetch_tokens(const KV* cache, const int32_t* table, int fi
                                    int block_size, long token_stride) {
     for (int pos = first; pos < end; ++pos) {
         const long slot = long(table[pos / block_size]) * block_size + pos % block_size;
-        const char* p = (const char*)(cache + slot * token_stride);
-        for (long byte = 0; byte < long(sizeof(KV)) * token_stride; byte += 64)
-            __builtin_prefetch(p + byte, 0, 2);
+        prefetch_l2(cache + slot * token_stride, long(sizeof(KV)) * token_stride);
     }
 }
 

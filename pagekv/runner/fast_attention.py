@@ -1,16 +1,15 @@
 """Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
 through the prefill kernel (bf16: AMX tiles or AVX512-BF16 vectors; float32: AVX-512 FMAs) or
-SDPA; drafted decodes
-(several tokens a sequence) in bf16 through the prefill kernel's tiles too. Agrees with
-``paged_attention_reference`` (tests/test_attention_fast.py).
+SDPA; drafted decodes (several tokens a sequence) in bf16 through the prefill kernel's tiles
+too. Agrees with ``paged_attention_reference`` (tests/test_attention_fast.py).
 
 Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
 ``KVCache``. Why two paths: a decode row is one query over a long history, where the cost is
 reading K/V, so the kernel reads every cached row in place, once; a prefill chunk is many
 queries, where the cost is the QK^T and PV products, so blocked products win: the prefill
 kernel's (prefill_kernel.py, all chunks in one call, K/V read through the blocks), else
-SDPA's. The reference instead pads every row to the longest query and the
-longest history of the batch.
+SDPA's. The reference instead pads every row to the longest query and the longest history of
+the batch.
 
 Flat token order of a step (decode rows first, see ``batch.prepare_step``)::
 

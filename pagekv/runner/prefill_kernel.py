@@ -65,6 +65,35 @@ _SOURCE = (
     + EXP_SOURCE
     + native.BF16_SOURCE
     + r"""
+#if defined(__AVX512F__)
+// One query row's softmax numerators, for both prefill entries: exp(scale * x[k] - top) for
+// the `seen` scores of x, zeros from there to `end` (a multiple of 16), handed to store(k, e)
+// 16 at a time; *sum gets their float32 total. Returns top, the row's largest scaled score.
+template <typename Store>
+static inline float exp_row(const float* x, int seen, int end, float scale, Store store,
+                            float* sum) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int k = 0; k < seen; k += 16) {
+        const __mmask16 m = first_lanes(seen - k);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax,
+                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale));
+    }
+    const float top = _mm512_reduce_max_ps(vmax);
+    const __m512 vtop = _mm512_set1_ps(top);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int k = 0; k < end; k += 16) {
+        const __mmask16 m = k < seen ? first_lanes(seen - k) : __mmask16(0);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_sub_ps(
+            _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale), vtop)));
+        vsum = _mm512_add_ps(vsum, e);
+        store(k, e);
+    }
+    *sum = _mm512_reduce_add_ps(vsum);
+    return top;
+}
+#endif
+
 // A prefill chunk as the caller lays it out (PrefillBatch.chunks).
 struct Chunk { int64_t q_start, num_tokens, seq_len, table_offset; };
 
@@ -344,29 +373,12 @@ static void attend_rows(const uint16_t* qbuf, int rows, const int* visible, cons
     else
         scores_vector(qbuf, keys, kp, scores, width);
     const int pairs = (keys + 31) / 32;  // 32-key blocks of P.V
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int r = 0; r < rows; ++r) {
-        float* x = scores + long(r) * width;
+    for (int r = 0; r < rows; ++r) {  // probabilities rounded to bf16, as SDPA rounds them
         uint16_t* p = probs + long(r) * width;
-        const int seen = visible[r];
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int k = 0; k < seen; k += 16) {
-            const __mmask16 m = first_lanes(seen - k);
-            vmax = _mm512_mask_max_ps(vmax, m, vmax,
-                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale));
-        }
-        tops[r] = _mm512_reduce_max_ps(vmax);
-        const __m512 top = _mm512_set1_ps(tops[r]);
-        __m512 vsum = _mm512_setzero_ps();
-        for (int k = 0; k < pairs * 32; k += 16) {
-            const __mmask16 m = k < seen ? first_lanes(seen - k) : __mmask16(0);
-            const __m512 e = exp_nonpositive16(
-                _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale), top));
-            const __m512 kept = _mm512_maskz_mov_ps(m, e);
-            vsum = _mm512_add_ps(vsum, kept);
-            _mm256_storeu_si256((__m256i*)(p + k), round_bf16x16(kept));
-        }
-        sums[r] = _mm512_reduce_add_ps(vsum);
+        const auto store = [p](int k, __m512 e) {
+            _mm256_storeu_si256((__m256i*)(p + k), round_bf16x16(e));
+        };
+        tops[r] = exp_row(scores + long(r) * width, visible[r], pairs * 32, scale, store, sums + r);
     }
     if (tiles_on())
         pv_tiles(probs, pairs, vp, width, acc);
@@ -641,26 +653,10 @@ static void attend_block(const float* q, float* out, long row_stride, int rows,
         for (int m = 0; m < rows; ++m) _mm512_storeu_ps(scores + long(m) * width + kb * 16, s[m]);
     }
     float sums[16];
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int r = 0; r < rows; ++r) {  // softmax in place: exp(scale * s - max), zeros past seen
+    for (int r = 0; r < rows; ++r) {  // in place: the numerators over the scores, in float32
         float* x = scores + long(r) * width;
-        const int seen = first_visible + r;
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int k = 0; k < seen; k += 16) {
-            const __mmask16 m = first_lanes(seen - k);
-            vmax = _mm512_mask_max_ps(vmax, m, vmax,
-                                      _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale));
-        }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int k = 0; k < blocks * 16; k += 16) {
-            const __mmask16 m = k < seen ? first_lanes(seen - k) : __mmask16(0);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_sub_ps(
-                _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale), top)));
-            vsum = _mm512_add_ps(vsum, e);
-            _mm512_storeu_ps(x + k, e);
-        }
-        sums[r] = _mm512_reduce_add_ps(vsum);
+        const auto store = [x](int k, __m512 e) { _mm512_storeu_ps(x + k, e); };
+        exp_row(x, first_visible + r, blocks * 16, scale, store, sums + r);
     }
     for (int m0 = 0; m0 < rows; m0 += 4) {  // P.V, four rows at a time, 64 columns each
         const int count = rows - m0 < 4 ? rows - m0 : 4;
