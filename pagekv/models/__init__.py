@@ -2,7 +2,8 @@
 
 Layout (arrows point down; nothing here imports runner/, core/ or server/):
 
-    loader        load_model(path) -> LoadedModel(config, model, tokenizer, path, fingerprint)
+    loader        load_model(path) -> LoadedModel(config, model, tokenizer, path, fingerprint);
+                  read_config(path) -> ModelConfig, weights unread
       gguf_loader   GGUF metadata -> ModelConfig; llama.cpp tensor names -> HF names
         gguf_file     GGUF byte layout: metadata, tensor directory, dequantize
       hf_loader     config.json -> ModelConfig; safetensors shards
@@ -17,7 +18,7 @@ Layout (arrows point down; nothing here imports runner/, core/ or server/):
 
 from pagekv.models.config import ModelConfig
 from pagekv.models.llama import AttentionFn, LlamaForCausalLM
-from pagekv.models.loader import LoadedModel, default_model_path, load_model
+from pagekv.models.loader import LoadedModel, default_model_path, load_model, read_config
 from pagekv.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "Tokenizer",
     "default_model_path",
     "load_model",
+    "read_config",
 ]

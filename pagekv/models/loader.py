@@ -54,6 +54,15 @@ def default_model_path() -> str:
     )
 
 
+def read_config(path: str | None = None) -> ModelConfig:
+    """The shapes of a GGUF file or HF directory (default: the default model), without loading
+    its weights. Raises ModelLoadError as ``load_model`` does."""
+    path = default_model_path() if path is None else path
+    if os.path.isdir(path):
+        return hf_config(read_hf_config(path), path)
+    return gguf_config(GGUFFile(path))
+
+
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a GGUF file or an HF directory (config.json + safetensors + tokenizer.json).
 
