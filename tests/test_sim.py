@@ -19,6 +19,7 @@ import pytest
 from pagekv.core import KVCacheManager
 from pagekv.core.block_pool import BlockPool
 from pagekv.core.invariants import check_manager, check_no_leak
+from pagekv.sim.arrivals import ArrivalQueue
 from pagekv.sim.baselines import FirstFit, Reservation, simulate_contiguous
 from pagekv.sim.cost_model import CostModel
 from pagekv.sim.simulator import SimConfig, _PagedRun, simulate
@@ -197,3 +198,32 @@ def test_import_pagekv_sim_loads_no_torch() -> None:
         check=True,
     )
     assert out.stdout.strip() == "False"
+
+
+def test_arrival_queue_orders_requests_and_holds_followers() -> None:
+    def req(rid: str, at_s: float, follows: str | None = None) -> SimRequest:
+        return SimRequest(rid, at_s, [1, 2], ((3,),), follows)
+
+    queue = ArrivalQueue(
+        [req("b", 2.0), req("a", 1.0), req("tie", 2.0), req("b2", 0.5, follows="b")]
+    )
+    assert queue and queue.next_s() == 1.0
+    assert [r.request_id for _, r in queue.due(0.9)] == []
+    assert [(at, r.request_id) for at, r in queue.due(2.0)] == [
+        (1.0, "a"),
+        (2.0, "b"),
+        (2.0, "tie"),  # ties in the order given
+    ]
+    assert not queue  # b2 waits for b, which has not ended
+    queue.release("b", 10.0)
+    assert queue.next_s() == 10.5  # its think time after b ended
+    queue.release("b", 11.0)  # released once only
+    due = queue.due(20.0)
+    assert [r.request_id for _, r in due] == ["b2"] and not queue
+    # a follower released while due() is consumed, with no think time, comes out of that pass
+    queue = ArrivalQueue([req("x", 0.0), req("y", 0.0, follows="x")])
+    seen = []
+    for _, r in queue.due(0.0):
+        seen.append(r.request_id)
+        queue.release(r.request_id, 0.0)
+    assert seen == ["x", "y"]

@@ -9,6 +9,7 @@ simulated throughput and latency, and recommends one.
     trace.py       JSON-lines traces: recorder (for the server), reader, replay
     cost_model.py  step time from a plan's shape; least-squares fit; default_cost.json
     calibrate.py   measures the real runner to fit a cost model (torch, imported lazily)
+    arrivals.py    the requests not yet arrived (by time; a chat's next turn after the last)
     simulator.py   the paged run: pagekv.core's Scheduler + KVCacheManager, unmodified
     baselines.py   contiguous reservation (max length, power of two, oracle)
     metrics.py     what a run measured (SimResult and its accumulators)

@@ -17,12 +17,12 @@ prefills its own copy of the prompt. Must not import torch, the engine or the se
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from pagekv.sim.arrivals import ArrivalQueue
 from pagekv.sim.cost_model import CostModel, StepShape
 from pagekv.sim.metrics import Latencies, SimResult, UsageSeries
 from pagekv.sim.simulator import SimConfig
@@ -106,8 +106,7 @@ class _ContiguousRun:
         self.config, self.cost, self.reservation = config, cost, reservation
         self.space = FirstFit(config.num_kv_tokens)
         self.clock_s = 0.0
-        self.arrivals: list[tuple[float, int, SimRequest]] = []
-        self.followers: dict[str, list[SimRequest]] = {}
+        self.arrivals = ArrivalQueue(())
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.branches_left: dict[str, int] = {}
@@ -116,11 +115,7 @@ class _ContiguousRun:
         self.reserved = self.stored = self.never_used = 0
         self.integral_reserved = self.integral_never_used = 0.0
         self.num_rejected = self.num_prompt_tokens = self.num_output_tokens = 0
-        self.num_steps = self.max_batch = self._seq = 0
-
-    def _push(self, request: SimRequest, at_s: float) -> None:
-        self._seq += 1
-        heapq.heappush(self.arrivals, (at_s, self._seq, request))
+        self.num_steps = self.max_batch = 0
 
     def _add(self, request: SimRequest, at_s: float) -> None:
         prompt = len(request.prompt_token_ids)
@@ -128,7 +123,7 @@ class _ContiguousRun:
         limit = min(self.config.max_model_len, self.config.num_kv_tokens)
         if self.reservation.slots(prompt + longest, self.config.max_model_len) > limit:
             self.num_rejected += 1
-            self._release(request.request_id)
+            self.arrivals.release(request.request_id, self.clock_s)
             return
         n = len(request.outputs)
         self.branches_left[request.request_id] = n
@@ -138,26 +133,17 @@ class _ContiguousRun:
             self.waiting.append(_Seq(rid, request.request_id, prompt, len(out)))
             self.latency.arrival_s[rid] = at_s
 
-    def _release(self, group: str) -> None:
-        for follower in self.followers.pop(group, []):
-            self._push(follower, self.clock_s + follower.arrival_s)
-
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
-        for request in requests:
-            if request.follows is None:
-                self._push(request, request.arrival_s)
-            else:
-                self.followers.setdefault(request.follows, []).append(request)
+        self.arrivals = ArrivalQueue(requests)
         self.usage = UsageSeries.for_steps(
             expected_steps(requests, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         )
         while self.arrivals or self.waiting or self.running:
-            while self.arrivals and self.arrivals[0][0] <= self.clock_s:
-                at_s, _, request = heapq.heappop(self.arrivals)
+            for at_s, request in self.arrivals.due(self.clock_s):
                 self._add(request, at_s)
             if not (self.waiting or self.running):
                 if self.arrivals:  # idle until the next arrival
-                    self.clock_s = max(self.clock_s, self.arrivals[0][0])
+                    self.clock_s = max(self.clock_s, self.arrivals.next_s())
                 continue
             self._step(self._schedule())
         return self._result()
@@ -223,7 +209,7 @@ class _ContiguousRun:
         self.latency.num_output[seq.rid] = seq.generated
         self.branches_left[seq.group] -= 1
         if self.branches_left[seq.group] == 0:
-            self._release(seq.group)
+            self.arrivals.release(seq.group, self.clock_s)
 
     def _result(self) -> SimResult:
         util = self.usage.utilisation()

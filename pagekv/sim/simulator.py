@@ -17,7 +17,6 @@ One simulated step::
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from pagekv.core.plan import Plan
 from pagekv.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 from pagekv.sampling_params import SamplingParams
+from pagekv.sim.arrivals import ArrivalQueue
 from pagekv.sim.cost_model import CostModel, StepShape
 from pagekv.sim.metrics import BlockTimeline, Latencies, SimResult, UsageSeries
 from pagekv.sim.workload import SimRequest, expected_steps
@@ -102,8 +102,7 @@ class _PagedRun:
         self.scheduler = config.build()
         self.kv = self.scheduler.kv
         self.clock_s = 0.0
-        self.arrivals: list[tuple[float, int, SimRequest]] = []
-        self.followers: dict[str, list[SimRequest]] = {}
+        self.arrivals = ArrivalQueue(())
         self.outputs: dict[str, tuple[int, ...]] = {}
         self.group_of: dict[str, str] = {}  # branch id -> user request id
         self.branches_left: dict[str, int] = {}
@@ -112,18 +111,8 @@ class _PagedRun:
         self.blocks = BlockTimeline(self.kv.pool.num_blocks) if record_blocks else None
         self.num_rejected = self.num_prompt_tokens = self.num_output_tokens = 0
         self.num_steps = self.max_batch = 0
-        self._seq = 0
 
     # ---- arrivals -------------------------------------------------------------------------------
-
-    def _push(self, request: SimRequest, at_s: float) -> None:
-        self._seq += 1
-        heapq.heappush(self.arrivals, (at_s, self._seq, request))
-
-    def _admit_arrivals(self) -> None:
-        while self.arrivals and self.arrivals[0][0] <= self.clock_s:
-            at_s, _, request = heapq.heappop(self.arrivals)
-            self._add(request, at_s)
 
     def _add(self, request: SimRequest, at_s: float) -> None:
         outputs = sorted(request.outputs, key=len, reverse=True)  # the longest rides the parent
@@ -149,7 +138,7 @@ class _PagedRun:
                 self.scheduler.add(r)
         except PromptTooLongError:
             self.num_rejected += 1
-            self._release_followers(request.request_id)
+            self.arrivals.release(request.request_id, self.clock_s)
             return
         self.branches_left[request.request_id] = len(core)
         for rid, out in zip(rids, outputs, strict=True):
@@ -158,27 +147,20 @@ class _PagedRun:
             self.latency.arrival_s[rid] = at_s
         self.num_prompt_tokens += len(request.prompt_token_ids)
 
-    def _release_followers(self, request_id: str) -> None:
-        for follower in self.followers.pop(request_id, []):
-            self._push(follower, self.clock_s + follower.arrival_s)
-
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
-        for request in requests:
-            if request.follows is None:
-                self._push(request, request.arrival_s)
-            else:
-                self.followers.setdefault(request.follows, []).append(request)
+        self.arrivals = ArrivalQueue(requests)
         self.usage = UsageSeries.for_steps(
             expected_steps(requests, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         )
         idle = 0
         while self.arrivals or self.scheduler.num_unfinished:
-            self._admit_arrivals()
+            for at_s, request in self.arrivals.due(self.clock_s):
+                self._add(request, at_s)
             if not self.scheduler.num_unfinished:
                 if self.arrivals:  # idle until the next arrival
-                    self.clock_s = max(self.clock_s, self.arrivals[0][0])
+                    self.clock_s = max(self.clock_s, self.arrivals.next_s())
                 continue
             plan = self.scheduler.schedule()
             idle = idle + 1 if not plan.scheduled else 0
@@ -232,7 +214,7 @@ class _PagedRun:
         group = self.group_of[rid]
         self.branches_left[group] -= 1
         if self.branches_left[group] == 0:
-            self._release_followers(group)
+            self.arrivals.release(group, self.clock_s)
 
     def _result(self) -> SimResult:
         usage = self.kv.usage()
