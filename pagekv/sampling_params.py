@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pagekv.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed takes
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -90,8 +91,12 @@ class SamplingParams:
             "min_p",
             f"must be in [0, 1], got {self.min_p!r}",
         )
-        if self.seed is not None:
-            _check(_is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None:  # what a torch.Generator takes
+            _check(
+                _is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX,
+                "seed",
+                f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
+            )
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",

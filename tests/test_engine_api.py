@@ -68,6 +68,8 @@ def test_bad_prompts_raise_typed_errors_and_leave_nothing(
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 0}, "top_k"),
         ({"n": 0}, "n"),
+        ({"seed": 2**64}, "seed"),  # beyond what a torch.Generator takes: it failed mid-step
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_bad_sampling_params_name_the_parameter(kwargs: dict[str, object], param: str) -> None:
@@ -75,6 +77,13 @@ def test_bad_sampling_params_name_the_parameter(kwargs: dict[str, object], param
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert info.value.param == param
     assert param in str(info.value)
+
+
+def test_seeds_at_both_ends_of_the_range_sample(llm: LLM) -> None:
+    for seed in (-(2**63), 2**64 - 1):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=3)
+        twice = [llm.generate("Hello", params, use_tqdm=False)[0].outputs[0].text for _ in "ab"]
+        assert twice[0] == twice[1]
 
 
 def test_prompt_beyond_pool_is_rejected_before_allocation(loaded: LoadedModel) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagekv.errors import InvalidRequestError
-from pagekv.sampling_params import SamplingParams
+from pagekv.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PromptInput = str | list[int]
 M = TypeVar("M", bound=BaseModel)
@@ -42,6 +42,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras: top_k of -1 or 0 means off, as in vLLM.
     top_k: int | None = None
@@ -82,6 +83,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 _MODELS: tuple[type[BaseModel], ...] = (
@@ -132,9 +136,19 @@ def _param(loc: tuple[int | str, ...]) -> str:
 
 
 def _reject_unsupported(req: _Sampling) -> None:
+    """Refuse what would change the output if honoured, rather than ignore it."""
     for name in ("frequency_penalty", "presence_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
             raise InvalidRequestError(f"{name}: only 0 is supported", name)
+    if req.logit_bias:
+        raise InvalidRequestError("logit_bias: not supported", "logit_bias")
+    if isinstance(req, ChatCompletionRequest):
+        if req.response_format is not None and req.response_format.get("type") != "text":
+            raise InvalidRequestError(
+                'response_format: only {"type": "text"} is supported', "response_format"
+            )
+        if req.tools and req.tool_choice != "none":
+            raise InvalidRequestError("tools: tool calling is not supported", "tools")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise InvalidRequestError("echo: not supported", "echo")
@@ -202,6 +216,11 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     """``SamplingParams.logprobs`` for chat: ``top_logprobs`` alternatives, if logprobs is on."""
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+            "top_logprobs",
+        )
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
