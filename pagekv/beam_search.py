@@ -20,6 +20,7 @@ early_stopping=..)``):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pagekv.errors import InvalidRequestError
@@ -45,6 +46,15 @@ class BeamSearchParams:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens"
+            )
+        if not (
+            isinstance(self.length_penalty, int | float)
+            and not isinstance(self.length_penalty, bool)
+            and math.isfinite(self.length_penalty)
+        ):
+            raise InvalidRequestError(
+                f"length_penalty must be a finite number, got {self.length_penalty!r}",
+                "length_penalty",
             )
         if self.early_stopping not in (True, False, "never"):
             raise InvalidRequestError(

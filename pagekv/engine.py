@@ -8,8 +8,9 @@ tensors; the engine wires them together and is the only thing the server and LLM
 from __future__ import annotations
 
 import logging
+import numbers
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -140,16 +141,22 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", "prompt")
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
+        if not isinstance(prompt, Iterable):
+            raise InvalidRequestError(
+                f"prompt: a string or token ids, got {type(prompt).__name__}", "prompt"
+            )
+        given = list(prompt)
+        if not given:
             raise InvalidRequestError("prompt_token_ids must not be empty", "prompt")
         vocab = self.loaded.config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+        for t in given:  # numpy's integers too; not bools
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise InvalidRequestError(f"token ids must be integers, got {t!r}", "prompt")
+            if not 0 <= t < vocab:
                 raise InvalidRequestError(
                     f"token id {t!r} is outside the vocabulary [0, {vocab})", "prompt"
                 )
-        return None, ids
+        return None, [int(t) for t in given]
 
     def add_request(
         self,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -62,8 +62,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for a str, a list of str, or ``{"prompt_token_ids": [...]}`` items."""
-        items = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
-        inputs = [_prompt_input(p) for p in items]
+        inputs = _prompt_inputs(prompts)
         params = _per_prompt(sampling_params, len(inputs))
         return self._run(inputs, params, use_tqdm)
 
@@ -89,8 +88,7 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
     ) -> list[BeamSearchOutput]:
         """Beam search inside the engine's batching; sequences come best first."""
-        items = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
-        inputs = [_prompt_input(p) for p in items]
+        inputs = _prompt_inputs(prompts)
         engine = self.engine
         ids = [f"beam-{next(self._ids)}" for _ in inputs]
         try:
@@ -135,12 +133,28 @@ class LLM:
         return [done[rid] for rid in ids]
 
 
+def _prompt_inputs(prompts: Prompt | Sequence[Prompt]) -> list[PromptInput]:
+    """The engine's prompt for ``prompts`` if it is one prompt, else for each of its items."""
+    if isinstance(prompts, str | Mapping):
+        return [_prompt_input(prompts)]
+    if not isinstance(prompts, Iterable):
+        raise InvalidRequestError(
+            f"prompts: a prompt or a list of prompts, got {type(prompts).__name__}", "prompt"
+        )
+    return [_prompt_input(p) for p in prompts]
+
+
 def _prompt_input(prompt: Prompt) -> PromptInput:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, Mapping):
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, str) or not isinstance(ids, Iterable):
+                raise InvalidRequestError(
+                    f"prompt_token_ids: a list of token ids, got {type(ids).__name__}", "prompt"
+                )
+            return list(ids)
         if "prompt" in prompt and isinstance(prompt["prompt"], str):
             return str(prompt["prompt"])
     raise InvalidRequestError(

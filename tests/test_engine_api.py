@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pagekv import InvalidRequestError, SamplingParams
@@ -44,6 +45,10 @@ def assert_untouched(llm: LLM) -> None:
         ({"prompt_token_ids": []}, GREEDY, "prompt"),
         ({"prompt_token_ids": [1, -5]}, GREEDY, "prompt"),
         ({"prompt_token_ids": [10**9]}, GREEDY, "prompt"),
+        ({"prompt_token_ids": [504, 1.5]}, GREEDY, "prompt"),
+        ({"prompt_token_ids": [True, 504]}, GREEDY, "prompt"),
+        ({"prompt_token_ids": 504}, GREEDY, "prompt"),
+        (None, GREEDY, "prompt"),
         ("hello " * 9000, GREEDY, "prompt"),
     ],
 )
@@ -77,6 +82,15 @@ def test_bad_sampling_params_name_the_parameter(kwargs: dict[str, object], param
         SamplingParams(**kwargs)  # type: ignore[arg-type]
     assert info.value.param == param
     assert param in str(info.value)
+
+
+def test_numpy_token_ids_are_token_ids(llm: LLM) -> None:
+    ids = [504, 3458, 314]
+    plain = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
+    for given in (np.array(ids), [np.int32(t) for t in ids]):
+        out = llm.generate({"prompt_token_ids": given}, GREEDY, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids and type(out.prompt_token_ids[0]) is int
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
 def test_seeds_at_both_ends_of_the_range_sample(llm: LLM) -> None:

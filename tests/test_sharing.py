@@ -207,6 +207,9 @@ def test_bad_branching_input_is_rejected_before_allocation(loaded: LoadedModel) 
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(InvalidRequestError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7)
+    for penalty in (float("nan"), float("inf"), "1.0"):
+        with pytest.raises(InvalidRequestError, match="length_penalty"):
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=penalty)  # type: ignore[arg-type]
     with pytest.raises(PromptTooLongError) as too_wide:
         llm.beam_search("word " * 200, BeamSearchParams(beam_width=10, max_tokens=64))
     assert too_wide.value.param == "beam_width"
