@@ -56,9 +56,15 @@ class LLMEngine:
         self.loaded = loaded if loaded is not None else load_model(config.model, dtype)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
-        self.max_model_len = min(
-            config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
+        context = mcfg.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or context, context)
+        if config.max_model_len is not None and config.max_model_len > context:
+            logger.warning(
+                "max_model_len %d is beyond the model's context of %d tokens; using %d",
+                config.max_model_len,
+                context,
+                context,
+            )
         block_bytes = KVCache.bytes_per_block(
             mcfg.num_hidden_layers,
             config.block_size,

@@ -232,3 +232,17 @@ def test_cli_chat_answers_and_ends_on_empty_line() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+
+
+def test_max_model_len_beyond_the_context_is_capped_with_a_warning(
+    loaded: LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    context = loaded.config.max_position_embeddings
+    with caplog.at_level("WARNING", logger="pagekv"):
+        engine = LLMEngine(EngineConfig(num_kv_blocks=16, max_model_len=context + 1), loaded)
+    assert engine.max_model_len == context
+    assert f"max_model_len {context + 1} is beyond the model's context" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagekv"):
+        engine = LLMEngine(EngineConfig(num_kv_blocks=16, max_model_len=512), loaded)
+    assert engine.max_model_len == 512 and "max_model_len" not in caplog.text
