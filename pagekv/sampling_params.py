@@ -7,12 +7,14 @@ the engine allocates anything.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pagekv.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed takes
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in OpenAI's API
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -35,7 +37,12 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1`` disable those filters.
     With ``seed`` set, branch ``i`` of an ``n > 1`` request samples with ``seed + i``.
     ``logprobs=k`` returns the chosen token's log-probability and the top ``k`` alternatives,
-    all under the model's raw distribution (before temperature and filters), as vLLM does.
+    all under the model's raw distribution (before penalties, temperature and filters), as vLLM
+    does. Penalties, as OpenAI and vLLM define them, change the logits of tokens already seen
+    before anything else: ``repetition_penalty`` divides a positive logit (multiplies a
+    negative one) of every token in the prompt or the output so far; then each token's logit
+    loses ``frequency_penalty`` times its count in the output, and ``presence_penalty`` once if
+    it occurs there at all.
     """
 
     n: int = 1
@@ -53,6 +60,9 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Accept a single stop string or list, as the OpenAI API does; store tuples (frozen).
@@ -123,10 +133,33 @@ class SamplingParams:
                 "logprobs",
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(
+                _is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                name,
+                f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}",
+            )
+        _check(
+            _is_number(self.repetition_penalty)
+            and self.repetition_penalty > 0
+            and math.isfinite(self.repetition_penalty),
+            "repetition_penalty",
+            f"must be a finite number > 0, got {self.repetition_penalty!r}",
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
     @property
     def num_branches(self) -> int:

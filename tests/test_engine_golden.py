@@ -189,3 +189,60 @@ def test_seeded_sampling_independent_of_batch(loaded: LoadedModel) -> None:
     batched = llm.generate(prompts, others, use_tqdm=False)[7]
     assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
     check_no_leak(llm.engine.kv)
+
+
+def _penalized_reference(
+    model: torch.nn.Module, ids: list[int], steps: int, params: SamplingParams
+) -> Reference:
+    """Greedy with penalties: transformers' logits and its own RepetitionPenaltyLogitsProcessor
+    (over prompt + output), then OpenAI's frequency and presence penalties (over the output)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+    tokens: list[int] = []
+    step_logits = []
+    past = None
+    inputs = torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(steps):
+            out = model(input_ids=inputs, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = repetition(torch.tensor([ids + tokens]), out.logits[:, -1].float())[0]
+            counts = torch.zeros_like(logits)
+            for t in tokens:
+                counts[t] += 1
+            logits = logits - params.frequency_penalty * counts
+            logits = logits - params.presence_penalty * (counts > 0).float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            step_logits.append(logits)
+            inputs = torch.tensor([[token]])
+    logits = torch.stack(step_logits)
+    top2 = logits.topk(2, dim=-1).values
+    return Reference(tokens, torch.log_softmax(logits, dim=-1), (top2[:, 0] - top2[:, 1]).tolist())
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repetition_penalty": 1.3},
+        {"repetition_penalty": 0.8},  # below 1: seen tokens are favoured
+        {"frequency_penalty": 0.7, "presence_penalty": 0.4},
+        {"repetition_penalty": 1.2, "frequency_penalty": -0.5, "presence_penalty": 1.5},
+    ],
+)
+def test_penalized_greedy_equals_transformers(
+    loaded: LoadedModel, hf_model: Any, prompt_ids: list[list[int]], penalties: dict[str, float]
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **penalties)
+    chosen = [prompt_ids[2], prompt_ids[3], prompt_ids[4]]  # a story, a count, a chat turn
+    llm = make_llm(loaded, block_size=16, num_kv_blocks=256)
+    plain = llm.generate([{"prompt_token_ids": ids} for ids in chosen], GREEDY, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in chosen], params, use_tqdm=False)
+    for out, ids in zip(outs, chosen, strict=True):
+        ref = _penalized_reference(hf_model, ids, 32, params)
+        assert_matches_reference(out.outputs[0].token_ids, ref, None)
+    pairs = zip(outs, plain, strict=True)
+    changed = [o.outputs[0].token_ids != p.outputs[0].token_ids[:32] for o, p in pairs]
+    assert any(changed), "the penalties changed no output: the test would not see them ignored"
+    check_no_leak(llm.engine.kv)

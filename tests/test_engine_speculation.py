@@ -52,6 +52,20 @@ def test_drafted_greedy_decoding_gives_the_same_tokens(loaded: LoadedModel) -> N
     check_no_leak(llm.engine.kv)
 
 
+def test_drafted_decoding_with_penalties_gives_the_same_tokens(loaded: LoadedModel) -> None:
+    # a drafted position's penalties count the drafts before it as output
+    random = load_workload("random").requests[:2]
+    prompts: list[object] = [*PROMPTS, *({"prompt_token_ids": r.prompt_token_ids} for r in random)]
+    mild = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=0.3)
+    favour = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=0.7)
+    params = [mild if i % 2 else favour for i in range(len(prompts))]
+    plain = generate(make_llm(loaded, 0), params, prompts)
+    llm = make_llm(loaded, 4)
+    assert generate(llm, params, prompts) == plain
+    assert llm.stats()["accepted_draft_tokens"] > 20  # drafts were taken under the penalties
+    check_no_leak(llm.engine.kv)
+
+
 def test_stops_inside_accepted_drafts(loaded: LoadedModel) -> None:
     plain, drafted = make_llm(loaded, 0), make_llm(loaded, 6)
     prompt = "1, 2, 3, 4, 5,"

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagekv.runner.sampler import Sampler, SamplingRow
+from pagekv.runner.sampler import Sampler, SamplingRow, apply_penalties
 from pagekv.sampling_params import SamplingParams
 
 
@@ -252,3 +252,65 @@ def test_greedy_rows_sample_bfloat16_logits_without_widening_them() -> None:
     logprob_rows = [SamplingRow(SamplingParams(temperature=0.0, logprobs=2))] * 4
     widened = Sampler()(logits, logprob_rows)
     assert widened.logprobs is not None and widened.token_ids == logits.float().argmax(-1).tolist()
+
+
+def _penalized_by_hand(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """OpenAI's and vLLM's definitions, token by token."""
+    out = logits.clone()
+    p = row.params
+    seen = set(row.prompt_token_ids) | set(row.output_token_ids)
+    for t in range(len(out)):
+        if t in seen:
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+        count = list(row.output_token_ids).count(t)
+        out[t] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    return out
+
+
+def test_penalties_follow_their_definitions_on_the_rows_that_ask() -> None:
+    logits = _logits(4, 40, seed=5)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0), None, 0, (), [1, 2], [3, 3]),  # no penalty
+        SamplingRow(
+            SamplingParams(temperature=0, repetition_penalty=1.5), None, 0, (), [1, 2, 2], [5]
+        ),
+        SamplingRow(
+            SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=-1.0),
+            None,
+            0,
+            (),
+            [7],
+            [8, 8, 8, 9, 10**6],  # an id past the vocabulary counts for nothing
+        ),
+        SamplingRow(
+            SamplingParams(
+                temperature=0, repetition_penalty=0.5, frequency_penalty=2, presence_penalty=2
+            ),
+            None,
+            0,
+            (),
+            [0, 39],
+            [39, 39, 4],
+        ),
+    ]
+    before = logits.clone()
+    out = apply_penalties(logits, rows)
+    assert torch.equal(logits, before)  # a copy
+    assert torch.equal(out[0], logits[0])
+    for i in (1, 2, 3):
+        torch.testing.assert_close(out[i], _penalized_by_hand(logits[i], rows[i]))
+    assert apply_penalties(logits, rows[:1]) is logits  # nobody asks: no copy
+    # the sampler's greedy choice is the argmax after the penalties, from bf16 logits too
+    for given in (logits, logits.bfloat16()):
+        chosen = Sampler()(given, rows).token_ids
+        assert chosen == apply_penalties(given.float(), rows).argmax(dim=-1).tolist()
+
+
+def test_a_sampled_rows_penalties_come_before_its_filters() -> None:
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = 5.0  # the likeliest token by far, until it has been generated enough
+    params = SamplingParams(temperature=1.0, frequency_penalty=2.0, top_k=1, seed=0)
+    row = SamplingRow(params, None, output_token_ids=[3, 3])
+    assert Sampler()(logits, [row]).token_ids == [3]  # 5 - 2 x 2 = 1 is still the top
+    row.output_token_ids = [3, 3, 3]
+    assert Sampler()(logits, [row]).token_ids == [0]  # 5 - 2 x 3 < 0: top-1 is now token 0

@@ -223,6 +223,40 @@ def test_vllm_extra_body_parameters(client: openai.OpenAI, model: str, llm: LLM)
     assert min_p.choices[0].text == top1.choices[0].text  # min_p near 1 keeps only the top
 
 
+def test_penalties_equal_offline(client: openai.OpenAI, model: str, llm: LLM) -> None:
+    prompt = "1, 2, 3, 4, 5,"
+    plain = offline(llm, prompt, max_tokens=24)
+    res = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0,
+        frequency_penalty=0.8,
+        presence_penalty=0.5,
+        extra_body={"repetition_penalty": 1.2},
+    )
+    expected = offline(
+        llm,
+        prompt,
+        max_tokens=24,
+        frequency_penalty=0.8,
+        presence_penalty=0.5,
+        repetition_penalty=1.2,
+    )
+    assert res.choices[0].text == expected != plain
+    messages = [{"role": "user", "content": "Count from 1 to 20."}]
+    chat = client.chat.completions.create(
+        model=model,
+        messages=messages,  # type: ignore[arg-type]
+        max_completion_tokens=24,
+        temperature=0,
+        presence_penalty=1.0,
+    )
+    params = SamplingParams(temperature=0, max_tokens=24, presence_penalty=1.0)
+    expected_chat = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    assert chat.choices[0].message.content == expected_chat
+
+
 def test_no_block_is_left_in_use(server: ServerProcess) -> None:
     assert wait_until(lambda: nothing_in_use(server), timeout_s=5)
 

@@ -196,11 +196,17 @@ class ModelRunner:
     def _row(self, entry: ScheduledRequest, ahead: int = 0) -> SamplingRow:
         """How to sample ``entry``'s next token, or (drafts) the one ``ahead`` positions on."""
         request = entry.request
+        penalized = request.params.penalized  # the ids are copied only for penalties
         return SamplingRow(
             params=request.params,
             generator=self._generator(request.request_id, request.params.seed),
             num_generated=request.num_output_tokens + ahead,
             eos_token_ids=request.eos_token_ids,
+            prompt_token_ids=request.prompt_token_ids if penalized else (),
+            # a drafted position's output so far includes the drafts before it
+            output_token_ids=(
+                request.output_token_ids + list(entry.draft_token_ids[:ahead]) if penalized else ()
+            ),
         )
 
     @staticmethod

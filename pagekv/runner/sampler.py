@@ -3,10 +3,11 @@
 Owns no state between steps: per-request random generators belong to the caller (one per
 branch, seeded once), and the caller says how many tokens each row has generated so far.
 
-Order of operations for a non-greedy row::
+Order of operations for a non-greedy row (a greedy one takes the argmax after the penalties
+and the suppression)::
 
-    raw logits -> min_tokens suppression -> / temperature -> top-k -> top-p -> min-p
-               -> softmax -> exponential race: argmax(probs / Exp(1) noise)
+    raw logits -> penalties -> min_tokens suppression -> / temperature -> top-k -> top-p
+               -> min-p -> softmax -> exponential race: argmax(probs / Exp(1) noise)
 
 The exponential race draws each seeded row's noise from that row's own generator, so a seeded
 request samples the same tokens alone or inside any batch. Logprobs are reported under the raw
@@ -17,7 +18,7 @@ Must not import ``pagekv.core``, ``models`` or ``server``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,12 +39,16 @@ class SamplingRow:
     ``generator``: the request's own generator (seeded once from ``params.seed`` + branch index),
     or None to draw from the global RNG. ``num_generated`` counts this sequence's output tokens so
     far; while it is below ``params.min_tokens``, EOS ids and ``stop_token_ids`` cannot be drawn.
+    The penalties read ``prompt_token_ids`` and ``output_token_ids`` (the output so far); only
+    rows with ``params.penalized`` need them.
     """
 
     params: SamplingParams
     generator: torch.Generator | None = None
     num_generated: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
     @property
     def greedy(self) -> bool:
@@ -78,12 +83,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [B={len(rows)}, V], got {tuple(logits.shape)}")
-        if all(row.greedy and row.params.logprobs is None for row in rows):
+        plain = not any(row.params.penalized for row in rows)
+        if plain and all(row.greedy and row.params.logprobs is None for row in rows):
             # The maximum is the same in any dtype (bf16 -> float32 is exact): no widening
             token_ids = argmax_rows(_suppress_stop_tokens(logits, rows))
             return SamplerOutput(token_ids.tolist(), None, [None] * len(rows))
         logits = logits.float()  # [B, V]
-        processed = _suppress_stop_tokens(logits, rows)  # [B, V]
+        processed = _suppress_stop_tokens(apply_penalties(logits, rows), rows)  # [B, V]
         # Greedy for every row first (argmax breaks ties toward the lowest id); sampled rows
         # are overwritten below.
         token_ids = argmax_rows(processed)  # int64 [B]
@@ -93,6 +99,42 @@ class Sampler:
             token_ids[index] = _sample(processed[index], [rows[i] for i in sampled])
         chosen, top = _logprobs(logits, token_ids, rows)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties (``SamplingParams``) on the rows that ask;
+    copies only if one does. Vectorized over those rows: one count matrix of their outputs.
+
+    logits: float32 [B, V] -> [B, V]
+    """
+    asking = [i for i, row in enumerate(rows) if row.params.penalized]
+    if not asking:
+        return logits
+    vocab_size, device = logits.shape[1], logits.device
+    index = torch.tensor(asking, device=device)  # [P]
+
+    def occurrences(ids_of: Callable[[SamplingRow], Sequence[int]]) -> torch.Tensor:
+        """float32 [P, V]: how often each token occurs in each asking row's ids."""
+        ids = [[t for t in ids_of(rows[i]) if 0 <= t < vocab_size] for i in asking]
+        flat = torch.tensor([t for row_ids in ids for t in row_ids], dtype=torch.int64)
+        which = torch.repeat_interleave(torch.tensor([len(r) for r in ids]))  # [sum len]
+        counts = torch.zeros((len(asking), vocab_size), device=device)
+        return counts.index_put_((which, flat), torch.ones(len(flat)), accumulate=True)
+
+    def per_row(name: str) -> torch.Tensor:  # [P, 1]
+        return torch.tensor([getattr(rows[i].params, name) for i in asking], device=device)[:, None]
+
+    out_counts = occurrences(lambda row: row.output_token_ids)  # [P, V]
+    sub = logits[index]  # [P, V], a copy
+    if any(rows[i].params.repetition_penalty != 1 for i in asking):
+        seen = (out_counts > 0) | (occurrences(lambda row: row.prompt_token_ids) > 0)
+        penalty = per_row("repetition_penalty")
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    sub = sub - per_row("frequency_penalty") * out_counts
+    sub = sub - per_row("presence_penalty") * (out_counts > 0).float()
+    logits = logits.clone()
+    logits[index] = sub
+    return logits
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -46,6 +46,7 @@ class _Sampling(_Body):
     user: str | None = None
     # vLLM extras: top_k of -1 or 0 means off, as in vLLM.
     top_k: int | None = None
+    repetition_penalty: float | None = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -137,9 +138,6 @@ def _param(loc: tuple[int | str, ...]) -> str:
 
 def _reject_unsupported(req: _Sampling) -> None:
     """Refuse what would change the output if honoured, rather than ignore it."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name}: only 0 is supported", name)
     if req.logit_bias:
         raise InvalidRequestError("logit_bias: not supported", "logit_bias")
     if isinstance(req, ChatCompletionRequest):
@@ -171,6 +169,9 @@ def sampling_params(
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=None if req.top_k in (None, -1, 0) else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,
