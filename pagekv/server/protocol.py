@@ -4,7 +4,8 @@ A body is decoded as UTF-8, parsed as JSON, validated by a pydantic model in str
 "5" for 5, no true for 1) and turned into ``SamplingParams``, whose own checks name the bad
 parameter. Every failure is an ``InvalidRequestError`` carrying ``param``: HTTP 400. Unknown
 fields are ignored, as OpenAI-compatible servers do; known but unsupported features
-(``echo``, ``suffix``, penalties, ``best_of != n``) are rejected rather than silently ignored.
+(``echo``, ``suffix``, ``logit_bias``, JSON mode, tools, ``best_of != n``) are rejected rather
+than silently ignored.
 """
 
 from __future__ import annotations
