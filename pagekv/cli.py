@@ -29,6 +29,9 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
 
 
 def _build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -46,6 +49,9 @@ def _params(args: argparse.Namespace) -> SamplingParams:
         min_p=args.min_p,
         seed=args.seed,
         stop=tuple(args.stop),
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
 
 

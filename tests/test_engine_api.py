@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import string
 import subprocess
 import sys
@@ -220,6 +221,23 @@ def test_cli_generate_prints_a_sensible_continuation() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "KV cache:" in proc.stderr and "max concurrency" in proc.stderr
+
+
+def test_cli_sampling_options_reach_the_params() -> None:
+    from pagekv import cli
+
+    parser = argparse.ArgumentParser()
+    cli._sampling_args(parser)
+    args = parser.parse_args(
+        ["--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "-1"]
+    )
+    params = cli._params(args)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (
+        1.3,
+        0.5,
+        -1.0,
+    )
+    assert cli._params(parser.parse_args([])) == SamplingParams(max_tokens=128, temperature=0.0)
 
 
 def test_cli_chat_answers_and_ends_on_empty_line() -> None:
