@@ -7,6 +7,7 @@ KV cache, at several block sizes, with prefix caching on and off, invariants che
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,18 +85,25 @@ def reference(prompt_ids: list[list[int]], hf_model: Any) -> list[Reference]:
     return [_greedy_reference(hf_model, ids) for ids in prompt_ids]
 
 
-def _greedy_reference(model: torch.nn.Module, ids: list[int]) -> Reference:
+def _greedy_reference(
+    model: torch.nn.Module,
+    ids: list[int],
+    steps: int = NUM_NEW_TOKENS,
+    process: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None,
+) -> Reference:
     """transformers' own forward with its KV cache, argmax each step, eos not special
-    (pagekv runs with ignore_eos)."""
+    (pagekv runs with ignore_eos); ``process(tokens so far, logits)`` first, if given."""
     tokens: list[int] = []
     step_logits = []
     past = None
     inputs = torch.tensor([ids])
     with torch.inference_mode():
-        for _ in range(NUM_NEW_TOKENS):
+        for _ in range(steps):
             out = model(input_ids=inputs, past_key_values=past, use_cache=True)
             logits = out.logits[0, -1].float()  # [vocab]
             past = out.past_key_values
+            if process is not None:
+                logits = process(tokens, logits)
             token = int(logits.argmax())
             tokens.append(token)
             step_logits.append(logits)
@@ -199,27 +207,16 @@ def _penalized_reference(
     from transformers import RepetitionPenaltyLogitsProcessor
 
     repetition = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
-    tokens: list[int] = []
-    step_logits = []
-    past = None
-    inputs = torch.tensor([ids])
-    with torch.inference_mode():
-        for _ in range(steps):
-            out = model(input_ids=inputs, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = repetition(torch.tensor([ids + tokens]), out.logits[:, -1].float())[0]
-            counts = torch.zeros_like(logits)
-            for t in tokens:
-                counts[t] += 1
-            logits = logits - params.frequency_penalty * counts
-            logits = logits - params.presence_penalty * (counts > 0).float()
-            token = int(logits.argmax())
-            tokens.append(token)
-            step_logits.append(logits)
-            inputs = torch.tensor([[token]])
-    logits = torch.stack(step_logits)
-    top2 = logits.topk(2, dim=-1).values
-    return Reference(tokens, torch.log_softmax(logits, dim=-1), (top2[:, 0] - top2[:, 1]).tolist())
+
+    def penalize(tokens: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits = repetition(torch.tensor([ids + tokens]), logits[None])[0]
+        counts = torch.zeros_like(logits)
+        for t in tokens:
+            counts[t] += 1
+        logits = logits - params.frequency_penalty * counts
+        return logits - params.presence_penalty * (counts > 0).float()
+
+    return _greedy_reference(model, ids, steps, penalize)
 
 
 @pytest.mark.parametrize(
