@@ -75,7 +75,7 @@ def test_disconnected_streams_release_their_blocks(server: ServerProcess) -> Non
     assert wait(lambda: nothing_in_use(server), timeout_s=1.0), server.kv()["stats"]
     assert time.monotonic() - left < 1.0
     assert aborted(server) - before == 20
-    after = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+    after = server.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert after.status_code == 200 and after.json()["choices"][0]["text"]
 
 
@@ -95,7 +95,8 @@ def test_a_client_that_never_reads_stalls_nobody(server: ServerProcess) -> None:
         assert wait(lambda: block_states(server.kv())["in_use"] > 0, timeout_s=30)
         start = time.monotonic()
         for _ in range(3):
-            res = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 8})
+            body = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            res = server.post("/v1/completions", body)
             assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] == 8
         assert time.monotonic() - start < 60
         assert server.kv()["requests"], "the silent client's request should still be running"
