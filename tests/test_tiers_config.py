@@ -65,7 +65,8 @@ def test_unreachable_store_warns_and_runs_without_it(
         engine = LLMEngine(EngineConfig(num_kv_blocks=16, kv_store=spec), loaded)
     assert "unreachable" in caplog.text and spec in caplog.text
     assert engine.tiers is not None and engine.tiers.store is None
-    out = LLM.from_engine(engine).generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = LLM.from_engine(engine).generate("Hello", params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     with pytest.raises(InvalidRequestError, match="required"):
         LLMEngine(EngineConfig(num_kv_blocks=16, kv_store=spec, kv_store_required=True), loaded)
