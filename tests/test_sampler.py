@@ -7,7 +7,15 @@ import random
 import pytest
 import torch
 
-from pagekv.runner.sampler import Sampler, SamplingRow, apply_penalties
+from pagekv.runner import sampler
+from pagekv.runner.sampler import (
+    CANDIDATES,
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    filter_candidates,
+    filter_sorted,
+)
 from pagekv.sampling_params import SamplingParams
 
 
@@ -314,3 +322,32 @@ def test_a_sampled_rows_penalties_come_before_its_filters() -> None:
     assert Sampler()(logits, [row]).token_ids == [3]  # 5 - 2 x 2 = 1 is still the top
     row.output_token_ids = [3, 3, 3]
     assert Sampler()(logits, [row]).token_ids == [0]  # 5 - 2 x 3 < 0: top-1 is now token 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidate_filter_equals_the_full_sort(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    vocab_size, num_rows = 6000, 48
+    logits = torch.randn(num_rows, vocab_size, generator=gen) * 2.0
+    head = torch.randint(0, vocab_size, (num_rows, 30), generator=gen)
+    peaked = torch.rand(num_rows, 30, generator=gen) * (12.0 if seed % 2 else 3.0)
+    logits.scatter_add_(1, head, peaked)
+    if seed >= 3:  # bf16 logits: ties everywhere, at the candidates' edge too
+        logits = logits.bfloat16().float()
+    logits[::7, :100] = float("-inf")  # suppressed tokens
+    ks = [1, 2, 40, 1023, 1024, 1025, 3000, vocab_size]
+    ps = [1e-6, 0.3, 0.9, 0.95, 0.999, 1.0]
+    top_k = torch.tensor([ks[i % len(ks)] for i in range(num_rows)])
+    top_p = torch.tensor([ps[(i // len(ks) + i) % len(ps)] for i in range(num_rows)])
+    expected = filter_sorted(logits, top_k, top_p)
+    sorted_rows: list[int] = []  # rows the candidates could not decide
+
+    def counted(rows: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        sorted_rows.append(len(rows))
+        return filter_sorted(rows, k, p)
+
+    monkeypatch.setattr(sampler, "filter_sorted", counted)
+    assert torch.equal(filter_candidates(logits, top_k, top_p), expected)
+    kept = (expected > float("-inf")).sum(dim=-1)
+    assert kept.min() >= 1 and kept.max() > CANDIDATES
+    assert 0 < sum(sorted_rows) < num_rows // 2  # most rows decided by the candidates alone
