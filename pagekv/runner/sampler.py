@@ -14,7 +14,7 @@ Each seeded row draws its one uniform from that row's own generator, so a seeded
 samples the same tokens alone or inside any batch. (vLLM's exponential race, argmax of probs
 over Exp(1) noise, needs a draw per vocabulary entry: 60 ms a step for 64 rows of 49,152 here,
 against ~3 ms for a float64 cumulative sum and a search.) Logprobs are reported under the raw
-logits (before min_tokens, temperature and filters), as vLLM reports them by default.
+logits (before penalties, min_tokens, temperature and filters), as vLLM reports them by default.
 
 Must not import ``pagekv.core``, ``models`` or ``server``.
 """
@@ -182,7 +182,7 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, filters, then the exponential race. logits: [S, V] -> int64 [S]."""
+    """Temperature, filters, then the inverse CDF. logits: [S, V] -> int64 [S]."""
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in rows], device=device)  # [S]
     scaled = logits / temperature[:, None]  # [S, V]
