@@ -217,7 +217,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tor
     """
     vocab_size = logits.shape[1]
     top_k = [min(r.params.top_k or vocab_size, vocab_size) for r in rows]
-    top_p = [r.params.top_p for r in rows]
+    # top_p = 1 gets a threshold of 2 so float rounding in the cumsum can never trim a row that
+    # only asks for top-k
+    top_p = [r.params.top_p if r.params.top_p < 1 else 2.0 for r in rows]
     filtering = [i for i in range(len(rows)) if top_k[i] < vocab_size or top_p[i] < 1]
     if not filtering:
         return logits
@@ -284,15 +286,13 @@ def _keep_ranked(
     rank = torch.arange(num_ranked, device=logits.device)
     drop = rank[None, :] >= top_k[:, None]  # [F, N]
     in_top_k = values.masked_fill(drop, float("-inf"))
-    total = torch.where(
-        top_k <= head,
-        torch.logsumexp(in_top_k[:, :head], dim=-1),
-        torch.where(
-            top_k >= vocab_size,
-            torch.logsumexp(logits, dim=-1),
-            torch.logsumexp(in_top_k, dim=-1),  # only meaningful when N = V
-        ),
-    )  # [F]
+    total = torch.logsumexp(in_top_k[:, :head], dim=-1)  # [F]
+    for rows, over in (
+        (top_k >= vocab_size, logits),
+        ((top_k > head) & (top_k < vocab_size), in_top_k),
+    ):
+        if bool(rows.any()):  # only meaningful when N = V for the second
+            total[rows] = torch.logsumexp(over[rows], dim=-1)
     probs = torch.exp(in_top_k - total[:, None])  # [F, N]
     drop |= probs.cumsum(dim=-1) - probs >= top_p[:, None]  # probability mass ranked before
     out = torch.full_like(logits, float("-inf"))
