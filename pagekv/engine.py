@@ -126,6 +126,8 @@ class LLMEngine:
         self.sanitizer = KVSanitizer(self.kv, self.runner.kv) if config.kv_sanitizer else None
         self._block_bytes = block_bytes
         self.capacity_line = self._capacity_line(num_blocks, block_bytes)
+        self.system_line = self.runner.system_line  # the CPU and the kernels in use
+        logger.info(self.system_line)
         logger.info(self.capacity_line)
 
     def _capacity_line(self, num_blocks: int, block_bytes: int) -> str:
@@ -366,6 +368,7 @@ class LLMEngine:
             "host_blocks_cached": (
                 len(self.kv.host_pool.index_items()) if self.kv.host_pool is not None else 0
             ),
+            "kernels": dict(self.runner.kernels),  # strings: /metrics has them as one info
             "num_waiting": len(self.scheduler.waiting),
             "num_running": len(self.scheduler.running),
             "num_swapped": len(self.scheduler.swapped),

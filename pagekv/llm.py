@@ -28,7 +28,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
-        print(self.engine.capacity_line, file=sys.stderr)
+        print(self.engine.system_line, self.engine.capacity_line, sep="\n", file=sys.stderr)
         self._ids = itertools.count()
 
     @classmethod

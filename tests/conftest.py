@@ -4,8 +4,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-# Session fixtures with the real default model and the transformers reference.
-pytest_plugins = ["models_fixtures", "store_fixtures"]
+# Session fixtures with the real default model and the transformers reference, the store
+# servers, and the Debian packages some tests need (a skip when absent, listed at the end).
+pytest_plugins = ["kernel_targets", "models_fixtures", "store_fixtures", "system_packages"]
 
 settings.register_profile(
     "ci",

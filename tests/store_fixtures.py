@@ -1,8 +1,10 @@
 """Fixtures for the storage-tier tests, registered with `pytest_plugins` in conftest.py.
 
 Real servers, started once per session as subprocesses on free 127.0.0.1 ports and stopped by
-PID: ``redis-server`` (plain and single-node cluster) and ``mooncake_master``. A missing binary
-fails the test with a message naming ``.ci/run``, which installs them; nothing is skipped.
+PID: ``redis-server`` (plain and single-node cluster) and ``mooncake_master``. Where Debian's
+redis-server, or the libibverbs1 that the Mooncake wheel links, is not installed (``make test``
+installs both where it may), the tests using that server skip and the run's end names the
+package (tests/system_packages.py); where it is, a server that does not start fails the test.
 ``store`` is one backend per parameter, opened through ``open_store``; ``key`` makes keys
 unique to the test, so tests sharing a server never see each other's data.
 
@@ -22,13 +24,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from system_packages import require_binary, require_library
 
 from pagekv.tiering.mooncake_store import close_idle_clients
 from pagekv.tiering.store import KVStore, open_store
 
 BACKENDS = ["memory", "file", "redis", "redis-cluster", "mooncake"]
 SERVER_BACKENDS = ["redis", "redis-cluster", "mooncake"]
-INSTALL_HINT = ".ci/run installs it (apt-get install redis-server libibverbs1; make install)"
+INSTALL_HINT = "`make install` installs it"
 
 
 def free_port() -> int:
@@ -111,7 +114,7 @@ def _binary(name: str) -> str:
 
 def _redis_argv(port: int, workdir: Path, *extra: str) -> list[str]:
     return [
-        _binary("redis-server"),
+        require_binary("redis-server"),
         "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
         "--daemonize", "no", "--dir", str(workdir), *extra,
     ]  # fmt: skip
@@ -161,6 +164,7 @@ def redis_cluster_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 
 def mooncake_master_binary() -> str:
+    require_library("libibverbs1", "libibverbs.so.1")  # the wheel's master and client link it
     try:
         import mooncake
     except ImportError:

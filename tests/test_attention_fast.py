@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from test_attention import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, SCALE, Case, _make_case
 
-from pagekv import native
+from pagekv.kernels import build
+from pagekv.kernels import decode as cpu_kernel
+from pagekv.kernels import prefill as prefill_kernel
+from pagekv.kernels.decode import DecodeBatch
 from pagekv.models.loader import LoadedModel
-from pagekv.runner import cpu_kernel, prefill_kernel
 from pagekv.runner.attention import paged_attention_reference, write_kv
-from pagekv.runner.cpu_kernel import DecodeBatch
 from pagekv.runner.fast_attention import (
     FastAttention,
     PrefillChunk,
@@ -27,18 +28,29 @@ from pagekv.runner.fast_attention import (
     decode_attention_torch,
 )
 
+# The kernels of the best target here; each test runs once per kernel target, with these two
+# swapped for that target's (``_target_kernels``).
 KERNEL = cpu_kernel.load()
 PREFILL = prefill_kernel.load()
 
 
+@pytest.fixture(autouse=True)
+def _target_kernels(kernel_target: str) -> Iterator[str]:
+    global KERNEL, PREFILL
+    saved = KERNEL, PREFILL
+    KERNEL, PREFILL = cpu_kernel.load(), prefill_kernel.load()
+    yield kernel_target
+    KERNEL, PREFILL = saved
+
+
 @pytest.fixture(params=["amx", "avx512-bf16"])
-def prefill_unit(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The prefill kernel on each unit this CPU has (tiles, vectors), switched back after."""
+def prefill_unit(request: pytest.FixtureRequest, _target_kernels: str) -> Iterator[str]:
+    """The prefill kernel on each unit the target has (tiles, vectors), switched back after."""
     if PREFILL is None or not PREFILL.available:
-        pytest.skip("the prefill kernel needs a compiler and AVX512-BF16")
+        pytest.skip("the bf16 prefill kernel needs the avx512bf16 or amx target (and a compiler)")
     default = PREFILL.backend
     if not PREFILL.use_backend(request.param):
-        pytest.skip(f"no {request.param} on this CPU")
+        pytest.skip(f"no {request.param} on this target")
     yield request.param
     assert default is not None and PREFILL.use_backend(default)
 
@@ -49,7 +61,7 @@ BACKENDS = [
     pytest.param(
         "kernel",
         marks=pytest.mark.skipif(
-            native.find_compiler() is None, reason="no C++ compiler: the kernel is optional"
+            build.find_compiler() is None, reason="no C++ compiler: the kernel is optional"
         ),
     ),
 ]
@@ -237,10 +249,6 @@ def test_prefill_kernel_matches_float32_attention(heads: tuple[int, int], block_
         assert error <= max(2 * sdpa_error, 1e-2), (chunk, error, sdpa_error)
 
 
-@pytest.mark.skipif(
-    PREFILL is None or not PREFILL.supports_prefill(torch.float32, 64),
-    reason="the float32 prefill kernel needs AVX-512 (and a compiler)",
-)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
 def test_float32_prefill_kernel_matches_sdpa(heads: tuple[int, int], block_size: int) -> None:
@@ -248,7 +256,8 @@ def test_float32_prefill_kernel_matches_sdpa(heads: tuple[int, int], block_size:
     and key blocks) through the kernel: within float32 rounding of SDPA on the same numbers,
     never reading an unwritten (NaN) slot, and a chunk's rows the same bits alone in its step
     as beside the others."""
-    assert PREFILL is not None
+    if PREFILL is None or not PREFILL.supports_prefill(torch.float32, 64):
+        pytest.skip("the float32 prefill kernel needs an AVX-512 target (and a compiler)")
     lens = [(0, 277), (0, 5), (48, 100), (13, 2), (0, 64), (200, 133), (0, 2), (63, 65)]
     step = _prefill_step(block_size, lens, heads, block_size, torch.float32)
     out, sdpa = step.attend(PREFILL), step.attend(None)
@@ -290,7 +299,7 @@ def test_kernel_matches_torch_decode(
     """Long, ragged decode histories through shuffled blocks; NaN in every unwritten slot.
     Group sizes 3, 8, 1, 5: the kernel specializes some and loops over heads for the rest."""
     num_heads, num_kv_heads = heads
-    if native.find_compiler() is None:
+    if build.find_compiler() is None:
         pytest.skip("no C++ compiler")
     assert KERNEL is not None, "a compiler is here, so the kernel must build"
     gen = torch.Generator().manual_seed(head_dim)
@@ -603,23 +612,23 @@ def test_kernel_writes_kv_rows_like_torch(dtype: torch.dtype, tokens: int) -> No
 
 @pytest.mark.parametrize("module", [cpu_kernel, prefill_kernel], ids=["decode", "prefill"])
 def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch, module: Any) -> None:
-    module.load.cache_clear()
+    build.forget()
     monkeypatch.setenv(module.DISABLE_ENV, "0")
     try:
         assert module.load() is None
     finally:
-        module.load.cache_clear()
+        build.forget()
 
 
 def test_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A compiler that fails leaves the engine on torch ops, with a warning, not an error."""
-    cpu_kernel.load.cache_clear()
+    build.forget()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # /bin/false: found, always fails
     try:
         assert cpu_kernel.load() is None
     finally:
-        cpu_kernel.load.cache_clear()
+        build.forget()
 
 
 def test_head_dim_without_kernel_entry_uses_torch() -> None:

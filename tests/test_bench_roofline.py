@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from pagekv import native
 from pagekv.bench import register, roofline, roofline_report
 from pagekv.bench.workloads import BenchRequest, Workload, load_workload
+from pagekv.kernels import build
 from pagekv.models.config import ModelConfig
 from pagekv.models.loader import LoadedModel, read_config
 
@@ -155,7 +155,7 @@ def test_floor_is_the_slower_of_compute_and_memory() -> None:
     assert "measured 40.0 tok/s: 25.00 s a pass, 1.67x the floor" in text
 
 
-@pytest.mark.skipif(native.find_compiler() is None, reason="needs a C++ compiler")
+@pytest.mark.skipif(build.find_compiler() is None, reason="needs a C++ compiler")
 def test_measured_peaks_and_the_command() -> None:
     peaks = roofline.measure_peaks(threads=1, repeats=2)
     with open("/proc/cpuinfo", encoding="utf-8") as f:

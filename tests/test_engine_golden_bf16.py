@@ -27,8 +27,8 @@ from pagekv import SamplingParams
 from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_no_leak
 from pagekv.engine import LLMEngine
+from pagekv.kernels import fused_ops
 from pagekv.llm import LLM
-from pagekv.models import fused_ops
 from pagekv.models.loader import LoadedModel, load_model
 from pagekv.runner.model_runner import AttentionBackend
 

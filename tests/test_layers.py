@@ -102,11 +102,16 @@ RULES = (
     ),
     Rule("the engine never imports the simulator", "pagekv.engine", forbidden=("pagekv.sim",)),
     Rule(
-        "native (the C++ build shared by models and runner) imports no torch and no pagekv",
-        "pagekv.native",
+        "the kernel build and target choice import no torch and nothing of pagekv but them",
+        "pagekv.kernels.build",
         forbidden=("torch", "numpy"),
-        only_pagekv=(),
+        only_pagekv=("pagekv.kernels.isa", "pagekv.errors"),
         required=True,
+    ),
+    Rule(
+        "kernels import no runner, core or higher layer (models' LayerOps protocol only)",
+        "pagekv.kernels",
+        forbidden=("pagekv.runner", "pagekv.core", *UPWARD),
     ),
     Rule(
         "models import no runner, core or higher layer",

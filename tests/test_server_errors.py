@@ -7,7 +7,6 @@ serving. /metrics parses with prometheus' own parser and its counters move as re
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -233,17 +232,16 @@ def test_kv_json_agrees_with_metrics(server: ServerProcess) -> None:
     assert all(b["hash"] for b in kv["blocks"] if b["state"] == "evictable")
 
 
-def _chromium(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    if binary is None:
-        pytest.skip("chromium is not installed (.ci/run installs it)")
+def _chromium(binary: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000"]
     return subprocess.run(
         [binary, *flags, *args], capture_output=True, text=True, timeout=timeout_s
     )
 
 
-def test_debug_kv_page_draws_every_block_in_chromium(server: ServerProcess, tmp_path: Path) -> None:
+def test_debug_kv_page_draws_every_block_in_chromium(
+    chromium: str, server: ServerProcess, tmp_path: Path
+) -> None:
     html = server.get("/debug/kv").text
     assert "<script src" not in html and "<link" not in html and "https://" not in html
     busy = threading.Thread(  # some blocks in use while the page is drawn
@@ -253,13 +251,17 @@ def test_debug_kv_page_draws_every_block_in_chromium(server: ServerProcess, tmp_
     busy.start()
     try:
         profile = f"--user-data-dir={tmp_path / 'profile'}"
-        dom = _chromium(profile, "--dump-dom", server.url + "/debug/kv")
+        dom = _chromium(chromium, profile, "--dump-dom", server.url + "/debug/kv")
         artifacts = REPO / "artifacts"
         artifacts.mkdir(exist_ok=True)
         shot = artifacts / "kv_map_page.png"
         shot.unlink(missing_ok=True)
         _chromium(
-            profile, "--window-size=1000,700", f"--screenshot={shot}", server.url + "/debug/kv"
+            chromium,
+            profile,
+            "--window-size=1000,700",
+            f"--screenshot={shot}",
+            server.url + "/debug/kv",
         )
     finally:
         busy.join()

@@ -8,7 +8,7 @@ servers are SIGKILLed under a running engine and restarted: requests still compl
 right outputs, the failures are counted, and the restarted store is used again.
 
 The Makefile runs the test suite in a private network namespace (Mooncake's clients listen on
-all interfaces); .ci/run installs redis-server and libibverbs1, pyproject the Mooncake wheel.
+all interfaces) and installs redis-server and libibverbs1; pyproject has the Mooncake wheel.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_weights(self, allocate: Allocate = torch_empty) -> None:
         """Prepack every matmul weight in the layout of the current ops' ``pack`` (oneDNN's,
-        or the fused ops' tiles (bf16) or stripes (float32); a no-op where there is none).
+        or the fused ops' tiles or stripes; a no-op where there is none).
 
         The packed copies are taken from the parameters as they are now; ``load_weights``
         drops them, so call this after loading. Packing twice is a no-op. Copies in a layout
@@ -219,6 +219,11 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.pack_weights(allocate)
         self.packed_head = self.ops.pack(self._head().data, allocate)
+
+    def packed_weight(self, layer: int, name: str) -> torch.Tensor | None:
+        """Layer ``layer``'s packed copy of ``name`` (e.g. "qkv_proj"); None if none."""
+        decoder = self.layers[layer] if layer < len(self.layers) else None
+        return decoder.packed.get(name) if isinstance(decoder, LlamaDecoderLayer) else None
 
     def _unpack(self) -> None:
         for layer in self.layers:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from pagekv.core.plan import ScheduledRequest
+from pagekv.kernels.decode import DecodeBatch
 from pagekv.runner.attention import AttentionMetadata
-from pagekv.runner.cpu_kernel import DecodeBatch
 from pagekv.runner.fast_attention import PrefillChunk, StepLayout
 
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagekv.runner.cpu_kernel import DecodeBatch, DecodeKernel
-from pagekv.runner.prefill_kernel import PrefillBatch, PrefillKernel
+from pagekv.kernels.decode import DecodeBatch, DecodeKernel
+from pagekv.kernels.prefill import PrefillBatch, PrefillKernel
 
 # Decode rows below this go through the decode kernel alone even when they share a prefix:
 # the tiles take 16 (row, query head) pairs at a time, and packing the prefix is not free.

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from pagekv.core.plan import Plan, ScheduledRequest
-from pagekv.models import fused_ops
+from pagekv.kernels import decode as cpu_kernel
+from pagekv.kernels import fused_ops, isa, report
+from pagekv.kernels import prefill as prefill_kernel
 from pagekv.models.layer_ops import TORCH_OPS
 from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
-from pagekv.runner import cpu_kernel, host_memory, prefill_kernel
+from pagekv.runner import host_memory
 from pagekv.runner.attention import paged_attention_reference, write_kv
 from pagekv.runner.batch import StepInputs, prepare_step, reference_metadata
 from pagekv.runner.fast_attention import FastAttention
@@ -101,6 +103,16 @@ class ModelRunner:
         self.prefill_kernel = prefill_kernel.load() if attention is AttentionBackend.FAST else None
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.kernels = self._kernels(attention)
+        self.system_line = report.line(self.kernels, self.dtype)
+
+    def _kernels(self, attention: AttentionBackend) -> dict[str, str]:
+        """Which kernel runs each part of a step here (``kernels.report``)."""
+        fast = attention is AttentionBackend.FAST
+        ops = self.model.ops if isinstance(self.model.ops, fused_ops.FusedOps) else None
+        first = self.model.packed_weight(0, "qkv_proj")
+        target = isa.selected() if fast else None
+        return report.describe(target, self.dtype, self.kernel, self.prefill_kernel, ops, first)
 
     def _speed_up_model(self) -> None:
         """The fast path's changes to the model: speed only, numbers within a bf16 ulp."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagekv.runner import cpu_kernel
+from pagekv.kernels import decode as cpu_kernel
 from pagekv.sampling_params import SamplingParams
 
 # Below this temperature dividing the logits overflows toward inf - inf = NaN; such rows are

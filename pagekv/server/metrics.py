@@ -12,7 +12,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from pagekv.outputs import RequestOutput
@@ -70,6 +75,11 @@ class EngineStatsCollector(Collector):
                 families[name] = CounterMetricFamily(PREFIX + name, help_text, labels=list(labels))
             families[name].add_metric(list(labels.values()), stats[key])
         yield from families.values()
+        kernels = stats.get("kernels")
+        if isinstance(kernels, Mapping):
+            info = InfoMetricFamily(PREFIX + "kernels", "The CPU and the kernel running each part")
+            info.add_metric([], {str(k): str(v) for k, v in kernels.items()})
+            yield info
 
 
 class Metrics:

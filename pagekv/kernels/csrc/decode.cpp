@@ -1,102 +1,10 @@
-"""A small C++ kernel for paged decode attention on CPU, compiled on first use, loaded by ctypes.
+// Paged decode attention: per sequence (or per kv head of one, when sequences are fewer than
+// threads), the scores of every query head against every cached key, read in place through the
+// block table, block by block; softmax in float32; then one pass over the values. Each K and V
+// row is read from memory once and reused by the G query heads that share its kv head.
+#include "attention_common.h"
+#include "kernels.h"
 
-Owns the kernel's source, its flags and the ctypes call; the build and its cache are
-``pagekv.native``'s. Why not torch ops: a decode row reads its whole history, and gathering that
-history through the block table into new tensors costs a copy of every K/V byte per layer per
-step; this kernel reads each cached K/V row in place, once. The same library writes a step's
-new K/V rows into their slots (``DecodeKernel.write_kv``): one call instead of two indexed
-copies, with the scattered destination rows requested ahead (0.30-0.35 s vs 0.66-0.76 s per
-`random` run, measured).
-
-``load()`` returns None (and the caller falls back to torch ops) when there is no compiler, the
-build fails, or ``PAGEKV_CPU_KERNEL=0``. Must not import ``pagekv.core``, ``models`` or ``server``.
-"""
-
-from __future__ import annotations
-
-import ctypes
-import functools
-import logging
-from dataclasses import dataclass
-
-import torch
-
-from pagekv import native
-
-DISABLE_ENV = "PAGEKV_CPU_KERNEL"
-CXX_FLAGS = (*native.BASE_CXX_FLAGS, "-fopenmp")
-
-# exp(x) for x <= 0 on 16 float32 lanes and a mask of the first n lanes, for the softmaxes of
-# this kernel and the prefill kernel (prefill_kernel.py).
-EXP_SOURCE = r"""
-#if defined(__AVX512F__)
-#include <immintrin.h>
-// The decode kernel's exp_nonpositive on 16 lanes, the same operations in the same order. (GCC
-// leaves a scalar loop of it unvectorized: it calls floorf per element, which made the softmax a
-// third of the decode kernel's time.)
-static inline __m512 exp_nonpositive16(__m512 x) {
-    const auto c = [](float v) { return _mm512_set1_ps(v); };
-    x = _mm512_max_ps(x, c(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, c(1.44269504f)), c(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, c(0.693359375f))),
-                                   _mm512_mul_ps(n, c(2.12194440e-4f)));
-    __m512 p = c(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), c(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), c(1.f));
-    const __m512i bits = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-static inline __mmask16 first_lanes(int n) {  // lanes [0, min(n, 16))
-    return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-}
-#endif
-"""
-
-# Per sequence (or per kv head of one, when sequences are fewer than threads): the scores of every
-# query head against every cached key, read in place through the block table, block by block;
-# softmax in float32; then one pass over the values. Each K and V row is read from memory once
-# and reused by the G query heads that share its kv head.
-_SOURCE = (
-    r"""
-#include <cmath>
-#include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <type_traits>
-
-static inline float load(float x) { return x; }
-static inline float load(uint16_t x) {  // bfloat16 -> float32 is exact: the high 16 bits
-    uint32_t bits = uint32_t(x) << 16; float f; std::memcpy(&f, &bits, 4); return f;
-}
-
-// exp(x) for x <= 0 (scores minus their max), Cephes' expf polynomial, rel. error ~2e-7.
-// Inline and branch-free so the softmax loop vectorizes; libm's expf is a scalar call.
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = std::floor(x * 1.44269504f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (int32_t(n) + 127) << 23;
-    float scale; std::memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-"""
-    + EXP_SOURCE
-    + r"""
 struct Shape { int num_heads, kv_heads, group, block_size; long token_stride; };
 
 static const long VALUES_IN_L2_BYTES = 1L << 20;  // about half of a core's L2 on current Xeons
@@ -263,22 +171,50 @@ static inline void pv_group(const float* p, long p_stride, const KV* const* rows
         for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + g * D + 16 * i, acc[g][i]);
 }
 #else
+// The same two primitives on the vector layer (AVX2, generic): a query row's vectors stay in
+// registers across the key rows, each score one horizontal sum.
 template <int D, typename KV>
 static inline void scores16(const KV* q, const KV* const* rows, int count, int group,
                             float scale, float* s, long stride) {
-    for (int g = 0; g < group; ++g)
+    static_assert(D % VF::W == 0, "head dim: whole vectors");
+    for (int g = 0; g < group; ++g) {
+        VF qv[D / VF::W];
+        for (int i = 0; i < D / VF::W; ++i) qv[i] = VF::load(q + g * D + VF::W * i);
         for (int t = 0; t < count; ++t) {
-            float acc = 0.f;
-            for (int d = 0; d < D; ++d) acc += load(q[g * D + d]) * load(rows[t][d]);
-            s[g * stride + t] = acc * scale;
+            VF acc = qv[0] * VF::load(rows[t]);
+            for (int i = 1; i < D / VF::W; ++i)
+                acc = fma(qv[i], VF::load(rows[t] + VF::W * i), acc);
+            s[g * stride + t] = acc.reduce_add() * scale;
         }
+    }
+}
+// Vectors of a head's output summed at once: all D / W where the G heads' sums and one value
+// row fit in the registers, else the widest power of two that does.
+template <int D, int G>
+static constexpr int pv_chunk() {
+    int chunk = D / VF::W;
+    while (chunk > 1 && (G + 1) * chunk + 1 > VF::REGS) chunk /= 2;
+    return chunk;
 }
 template <int D, int G, typename KV>
 static inline void pv_group(const float* p, long p_stride, const KV* const* rows, int count,
                             float* out) {
-    for (int t = 0; t < count; ++t)
+    constexpr int C = pv_chunk<D, G>();
+    for (int c0 = 0; c0 < D / VF::W; c0 += C) {
+        VF acc[G][C];
         for (int g = 0; g < G; ++g)
-            for (int d = 0; d < D; ++d) out[g * D + d] += p[g * p_stride + t] * load(rows[t][d]);
+            for (int i = 0; i < C; ++i) acc[g][i] = VF::load(out + g * D + VF::W * (c0 + i));
+        for (int t = 0; t < count; ++t) {
+            VF v[C];
+            for (int i = 0; i < C; ++i) v[i] = VF::load(rows[t] + VF::W * (c0 + i));
+            for (int g = 0; g < G; ++g) {
+                const VF pt = VF::set1(p[g * p_stride + t]);
+                for (int i = 0; i < C; ++i) acc[g][i] = fma(pt, v[i], acc[g][i]);
+            }
+        }
+        for (int g = 0; g < G; ++g)
+            for (int i = 0; i < C; ++i) acc[g][i].store(out + g * D + VF::W * (c0 + i));
+    }
 }
 #endif
 
@@ -298,52 +234,29 @@ static inline void pv_heads(int group, const float* p, long p_stride, const KV* 
     }
 }
 
-#if defined(__AVX512F__)
 // Softmax of the first `len` scores of each of `rows` rows, `stride` apart; lse (when given):
 // per row, log of the sum of exp(x), for merging with another part.
 static inline void softmax_rows(float* scores, int rows, int len, long stride, float* lse) {
+    constexpr int W = VF::W;
     for (int h = 0; h < rows; ++h) {
         float* x = scores + h * stride;
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = first_lanes(len - pos);
-            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, x + pos));
+        VF vmax = VF::set1(-INFINITY);
+        for (int pos = 0; pos < len; pos += W)
+            vmax = max(vmax, VF::load_first(x + pos, len - pos, -INFINITY));
+        const float top = vmax.reduce_max();
+        VF vsum = VF::zero();
+        for (int pos = 0; pos < len; pos += W) {
+            exp_nonpositive(VF::load_first(x + pos, len - pos) - VF::set1(top))
+                .store_first(x + pos, len - pos);
+            vsum = vsum + VF::load_first(x + pos, len - pos);  // lanes past len add zeros
         }
-        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 vsum = _mm512_setzero_ps();
-        for (int pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = first_lanes(len - pos);
-            const __m512 x16 = _mm512_maskz_loadu_ps(m, x + pos);
-            const __m512 e = exp_nonpositive16(_mm512_sub_ps(x16, top));
-            vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
-            _mm512_mask_storeu_ps(x + pos, m, e);
-        }
-        const float sum = _mm512_reduce_add_ps(vsum);
-        if (lse != nullptr) lse[h] = _mm512_reduce_max_ps(vmax) + std::log(sum);
-        const __m512 inv = _mm512_set1_ps(1.f / sum);
-        for (int pos = 0; pos < len; pos += 16) {
-            const __mmask16 m = first_lanes(len - pos);
-            const __m512 e = _mm512_maskz_loadu_ps(m, x + pos);
-            _mm512_mask_storeu_ps(x + pos, m, _mm512_mul_ps(e, inv));
-        }
+        const float sum = vsum.reduce_add();
+        if (lse != nullptr) lse[h] = top + std::log(sum);
+        const VF inv = VF::set1(1.f / sum);
+        for (int pos = 0; pos < len; pos += W)
+            (VF::load_first(x + pos, len - pos) * inv).store_first(x + pos, len - pos);
     }
 }
-#else
-static inline void softmax_rows(float* scores, int rows, int len, long stride, float* lse) {
-    for (int h = 0; h < rows; ++h) {
-        float* x = scores + h * stride;
-        float m = x[0], sum = 0.f;
-        for (int pos = 1; pos < len; ++pos) m = x[pos] > m ? x[pos] : m;
-        for (int pos = 0; pos < len; ++pos) {
-            x[pos] = exp_nonpositive(x[pos] - m);
-            sum += x[pos];
-        }
-        if (lse != nullptr) lse[h] = m + std::log(sum);
-        const float inv = 1.f / sum;
-        for (int pos = 0; pos < len; ++pos) x[pos] *= inv;
-    }
-}
-#endif
 
 // Requests [start, start + bytes) into L2. Not L1: requests for L1 hold its few miss buffers
 // until their lines arrive, so fewer rows are in flight (a 64-row step over 340 positions of
@@ -538,30 +451,22 @@ extern "C" void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, lon
         const uint16_t* row = x + r * cols;
         float best = -INFINITY;
         long at = 0, nan_at = -1;
-#if defined(__AVX512F__)
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        VF vmax = VF::set1(-INFINITY);
         long c = 0;
-        for (; c + 16 <= cols; c += 16) {
-            const __m512 v = load16(row + c);
-            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) && nan_at < 0) {
-                for (long j = c; j < c + 16; ++j)
+        for (; c + VF::W <= cols; c += VF::W) {
+            const VF v = VF::load(row + c);
+            if (nan_at < 0 && v.any_nan()) {
+                for (long j = c; j < c + VF::W; ++j)
                     if (std::isnan(load(row[j]))) { nan_at = j; break; }
             }
-            vmax = _mm512_max_ps(vmax, v);
+            vmax = max(vmax, v);
         }
-        best = _mm512_reduce_max_ps(vmax);
+        best = vmax.reduce_max();
         for (long j = c; j < cols; ++j) {
             const float v = load(row[j]);
             if (std::isnan(v) && nan_at < 0) nan_at = j;
             best = v > best ? v : best;
         }
-#else
-        for (long j = 0; j < cols; ++j) {
-            const float v = load(row[j]);
-            if (std::isnan(v) && nan_at < 0) nan_at = j;
-            best = v > best ? v : best;
-        }
-#endif
         if (nan_at >= 0) { out[r] = nan_at; continue; }
         for (long j = 0; j < cols; ++j)
             if (load(row[j]) == best) { at = j; break; }
@@ -593,195 +498,3 @@ extern "C" int write_rows(const char* k, const char* v, char* kc, char* vc, cons
     }
     return 0;
 }
-"""
-)
-
-_ENTRIES = {
-    (torch.float32, 64): "decode_f32_d64",
-    (torch.bfloat16, 64): "decode_bf16_d64",
-    (torch.float32, 128): "decode_f32_d128",
-    (torch.bfloat16, 128): "decode_bf16_d128",
-}
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """The decode sequences of a step as the kernel reads them: one query token each, or, with
-    ``query_lens``, the last ``query_lens[b]`` positions of sequence b (a drafted decode), each
-    seeing the history up to itself."""
-
-    block_tables: torch.Tensor  # int32 [B, max_blocks], contiguous; padding is never read
-    seq_lens: torch.Tensor  # int32 [B], history length including this step's tokens
-    max_seq_len: int  # max(seq_lens), as a python int so the call needs no sync
-    # Leading blocks every row has in its table (the same physical blocks: a shared prompt),
-    # all before each row's own first query position; 0 when none or fewer than 2 rows.
-    shared_blocks: int = 0
-    query_lens: torch.Tensor | None = None  # int32 [B]; None: 1 each
-    num_queries: int = 0  # sum(query_lens) (B when None): the rows of q
-    max_query_len: int = 1
-
-    def __post_init__(self) -> None:
-        lens = self.query_lens
-        if lens is None:
-            return
-        if not (
-            lens.dtype == torch.int32
-            and lens.is_contiguous()
-            and lens.shape == self.seq_lens.shape
-            and bool((lens >= 1).all())
-            and bool((lens <= self.seq_lens).all())
-            and int(lens.sum()) == self.num_queries
-            and (lens.numel() == 0 or int(lens.max()) <= self.max_query_len)
-        ):
-            raise ValueError("DecodeBatch: query_lens must be int32 [B], 1 <= each <= seq_len")
-
-    def fits(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """Whether q [Q, H, D] and the caches [num_blocks, block_size, KVH, D] are what a C
-        kernel reading this batch may trust: one dtype, contiguous, Q rows for its queries,
-        int32 tables with a row per sequence."""
-        tables, seq_lens = self.block_tables, self.seq_lens
-        num_seqs = seq_lens.shape[0]
-        return (
-            q.dtype == k_cache.dtype == v_cache.dtype
-            and v_cache.shape == k_cache.shape
-            and all(t.is_contiguous() for t in (q, k_cache, v_cache, seq_lens))
-            and tables.dtype == seq_lens.dtype == torch.int32
-            and tables.stride(-1) == 1
-            and tables.shape[0] == num_seqs
-            and q.shape[0] == (num_seqs if self.query_lens is None else self.num_queries)
-        )
-
-    def per_query(self) -> DecodeBatch:
-        """The same attention with one row per query token (for the torch fallback)."""
-        if self.query_lens is None:
-            return self
-        lens = self.query_lens.long()
-        tables = self.block_tables.repeat_interleave(lens, 0)
-        ends = torch.repeat_interleave(self.seq_lens - self.query_lens, lens)  # [Q] first - 1
-        starts = torch.cumsum(lens, 0) - lens  # [B] first row of each sequence
-        offsets = torch.arange(self.num_queries) - starts.repeat_interleave(lens)  # [Q]
-        seq_lens = (ends + offsets + 1).to(torch.int32)
-        return DecodeBatch(tables, seq_lens, self.max_seq_len, 0, None, self.num_queries)
-
-
-class DecodeKernel:
-    """The loaded library. ``supports`` says which (cache dtype, head dim) pairs it has."""
-
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {}
-        for key, name in _ENTRIES.items():
-            fn = getattr(library, name)
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7 + [ctypes.c_float]
-            fn.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]  # threads, start, lse
-            self._functions[key] = fn
-        self._write_rows = library.write_rows
-        self._write_rows.restype = ctypes.c_int
-        self._write_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3
-        self._argmax_bf16 = library.argmax_bf16_rows
-        self._argmax_bf16.restype = None
-        self._argmax_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2 + [ctypes.c_int]
-
-    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return (dtype, head_dim) in self._functions
-
-    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x.argmax(dim=-1)`` of bfloat16 [B, V] (the first maximum; NaN counts as the
-        maximum), read in place; None for anything else."""
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0:
-            return None
-        out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._argmax_bf16(x.data_ptr(), out.data_ptr(), *x.shape, torch.get_num_threads())
-        return out
-
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> bool:
-        """``attention.write_kv`` in one C call (the same bytes land in the same slots), for
-        contiguous tensors of one dtype and an int64 slot mapping; False (nothing written) for
-        anything else, so the caller uses ``attention.write_kv``. A slot out of range raises
-        ValueError before anything is written."""
-        tokens = k.shape[0]
-        if not (
-            k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-            and slot_mapping.dtype == torch.int64
-            and k_cache.shape == v_cache.shape
-            and k.shape == v.shape == (tokens, *k_cache.shape[2:])
-            and slot_mapping.shape == (tokens,)
-            and all(t.is_contiguous() for t in (k, v, k_cache, v_cache, slot_mapping))
-        ):
-            return False
-        row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # one slot
-        num_slots = k_cache.shape[0] * k_cache.shape[1]
-        args = (k, v, k_cache, v_cache, slot_mapping)
-        if self._write_rows(*(t.data_ptr() for t in args), tokens, row_bytes, num_slots) != 0:
-            raise ValueError(f"KV write: a slot outside the cache's {num_slots} slots")
-        return True
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: DecodeBatch,
-        scale: float,
-        start: int = 0,
-        lse: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """q [Q, H, D] (Q = B, or ``batch.num_queries`` with query lengths) and caches
-        [num_blocks, block_size, KVH, D], all float32 or all bfloat16 (the model's dtype, so no
-        conversion) -> float32 [Q, H, D].
-
-        All contiguous on CPU; only positions [start, seq_len) are read (start below every
-        sequence's first query position). Scores, softmax and the sum of values are float32
-        whatever the input dtype. ``lse`` (float32 [Q, H]), if given, receives each head's
-        log-sum-exp of its scaled scores, to merge this part with attention over [0, start).
-        """
-        _, num_heads, head_dim = q.shape
-        _, block_size, num_kv_heads, _ = k_cache.shape
-        seq_lens, query_lens = batch.seq_lens, batch.query_lens
-        num_seqs = seq_lens.shape[0]
-        first = seq_lens if query_lens is None else seq_lens - query_lens + 1
-        # The C side trusts its pointers: check what a wrong caller would get silently wrong.
-        if not (
-            batch.fits(q, k_cache, v_cache)
-            and (lse is None or (lse.dtype == torch.float32 and lse.shape == q.shape[:2]))
-            and (lse is None or lse.is_contiguous())
-            and (start == 0 or 0 < start < int(first.min()))
-        ):
-            raise ValueError("decode kernel: wrong dtype, shape or layout of its inputs")
-        out = torch.empty(q.shape, dtype=torch.float32)  # [Q, H, D]
-        fn = self._functions[(k_cache.dtype, head_dim)]
-        fn(
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            batch.block_tables.data_ptr(),
-            batch.seq_lens.data_ptr(),
-            None if query_lens is None else query_lens.data_ptr(),
-            out.data_ptr(),
-            num_seqs,
-            batch.block_tables.stride(0),
-            num_heads,
-            num_kv_heads,
-            block_size,
-            batch.max_seq_len,
-            batch.max_query_len if query_lens is not None else 1,
-            scale,
-            torch.get_num_threads(),
-            start,
-            None if lse is None else lse.data_ptr(),
-        )
-        return out
-
-
-@functools.cache
-def load() -> DecodeKernel | None:
-    """The compiled kernel, built once per machine and cached; None if unavailable."""
-    library = native.load_optional("decode", _SOURCE, CXX_FLAGS, DISABLE_ENV, logging.WARNING)
-    return None if library is None else DecodeKernel(library)

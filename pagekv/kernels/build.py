@@ -1,0 +1,206 @@
+"""Build the C++ kernel libraries (``csrc/``) for a target, cache them, load them with ctypes.
+
+A library is one ``csrc/<name>.cpp`` (with the headers beside it) built for one target of
+``isa.TARGETS`` at first use, into ``~/.cache/pagekv/kernels`` under a hash of every source
+file, the flags and the compiler, so an edit or a new compiler rebuilds and nothing else does.
+The compiler reads the files where they are, so its warnings and errors name real files and
+lines. Why ctypes and not ``torch.utils.cpp_extension``: no torch headers or pybind11, so a
+build takes seconds instead of a minute.
+
+The ctypes signatures come from ``csrc/kernels.h``, the one place each entry point is declared.
+
+Imports nothing of pagekv but ``isa`` (and its errors), and no torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pagekv.kernels import isa
+
+CSRC = Path(__file__).parent / "csrc"
+HEADER = CSRC / "kernels.h"
+# Every kernel: OpenMP threads, warnings on (kept at zero by the compile check), and every
+# exported function declared first in kernels.h (-Wmissing-declarations). g++ may contract
+# a * b + c into one FMA under -std=c++17; a library whose numbers must match torch's separate
+# roundings adds -ffp-contract=off (fused_ops does).
+BASE_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-fPIC",
+    "-fopenmp",
+    "-Wall",
+    "-Wextra",
+    "-Wmissing-declarations",
+)
+
+logger = logging.getLogger("pagekv")
+
+
+class KernelUnavailable(Exception):
+    """The library cannot be had here: no compiler, a failed build, or a failed load."""
+
+
+def find_compiler() -> str | None:
+    """``$CXX`` or ``g++`` on PATH, or None. Where there is one, a failed build is a bug."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def flags_for(target: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return (*BASE_FLAGS, *isa.BY_NAME[target].flags, *extra)
+
+
+# What happened to each (library, target) this process asked for: "ok" or the reason it failed.
+_outcomes: dict[tuple[str, str], str] = {}
+
+
+def outcomes() -> dict[tuple[str, str], str]:
+    return dict(_outcomes)
+
+
+def forget() -> None:
+    """Build and load afresh from the next call on (tests change the compiler or the cache)."""
+    load.cache_clear()
+    _outcomes.clear()
+
+
+def load_optional(name: str, target: str | None, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """``load(name, target)``, or None when target is None (``$PAGEKV_CPU_ISA=none``) or the
+    library cannot be had (a warning with the compiler's message; callers fall back to torch)."""
+    if target is None or _outcomes.get((name, target), "ok") != "ok":
+        return None  # disabled, or failed before (and said so)
+    try:
+        return load(name, target, extra)
+    except KernelUnavailable as exc:
+        _outcomes[(name, target)] = str(exc)
+        logger.warning("kernel %s (%s) unavailable, using torch ops: %s", name, target, exc)
+        return None
+
+
+def library_for(
+    name: str, target: str | None, disable_env: str, extra: tuple[str, ...] = ()
+) -> ctypes.CDLL | None:
+    """The library a wrapper loads: for ``target``, or by default the selected target
+    (``isa.selected()``: ``$PAGEKV_CPU_ISA`` or the best here); None where ``$disable_env`` is
+    "0", the selection is ``none``, or it cannot be built."""
+    if os.environ.get(disable_env, "1") == "0":
+        return None
+    return load_optional(name, isa.selected() if target is None else target, extra)
+
+
+@functools.cache
+def load(name: str, target: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """``csrc/<name>.cpp`` built for ``target`` (once per machine, then cached), its functions
+    typed from kernels.h. Raises KernelUnavailable with the reason (the compiler's output)."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (install g++ or set $CXX)")
+    flags = flags_for(target, extra)
+    key = hashlib.blake2b(digest_size=8)
+    for part in (*_sources_text(), " ".join(flags), compiler, _compiler_version(compiler)):
+        key.update(part.encode())
+    built = _cache_dir() / f"{name}-{target}-{key.hexdigest()}.so"
+    try:
+        if not built.exists():
+            _build(compiler, flags, CSRC / f"{name}.cpp", built)
+        library = ctypes.CDLL(str(built))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        raise KernelUnavailable(f"{exc}\n{detail.decode(errors='replace')[-2000:]}") from exc
+    for fn_name, (restype, argtypes) in signatures().items():
+        fn = getattr(library, fn_name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
+    _outcomes[(name, target)] = "ok"
+    return library
+
+
+def compile_check(name: str, target: str) -> subprocess.CompletedProcess[str]:
+    """``-fsyntax-only -Werror`` of ``csrc/<name>.cpp`` for ``target``: runs on any x86-64
+    machine whatever its CPU, so no target's branches rot unbuilt."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found")
+    command = [compiler, *flags_for(target), "-fsyntax-only", "-Werror", str(CSRC / f"{name}.cpp")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def library_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in CSRC.glob("*.cpp")))
+
+
+_SCALARS: dict[str, type | None] = {
+    "void": None,
+    "int": ctypes.c_int,
+    "long": ctypes.c_long,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+_DECLARATION = re.compile(r"(\w+)\s+(\w+)\s*\(([^)]*)\)\s*;")
+
+
+@functools.cache
+def signatures() -> dict[str, tuple[type | None, list[type]]]:
+    """Each function declared in kernels.h: (restype, argtypes) for ctypes."""
+    text = re.sub(r"//[^\n]*", "", HEADER.read_text(encoding="utf-8"))
+    body = text.split('extern "C" {', 1)[1]
+    found: dict[str, tuple[type | None, list[type]]] = {}
+    for restype, fn_name, params in _DECLARATION.findall(body):
+        argtypes: list[type] = []
+        for param in params.split(","):
+            param = param.strip()
+            if param in ("", "void"):
+                continue
+            if "*" in param:
+                argtypes.append(ctypes.c_void_p)
+            else:
+                scalar = _SCALARS.get(param.split()[0])
+                if scalar is None:
+                    raise ValueError(f"kernels.h: {fn_name}: unsupported parameter {param!r}")
+                argtypes.append(scalar)
+        if restype not in _SCALARS or fn_name in found:
+            raise ValueError(f"kernels.h: {fn_name}: declared twice or returns {restype!r}")
+        found[fn_name] = (_SCALARS[restype], argtypes)
+    return found
+
+
+def _sources_text() -> list[str]:
+    return [p.read_text(encoding="utf-8") for p in sorted(CSRC.iterdir()) if p.is_file()]
+
+
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "pagekv" / "kernels"
+
+
+def _build(compiler: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *flags, "-shared", str(source), "-o", str(built)],
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+        if done.stderr:  # warnings: the compile check keeps them at zero, so say so
+            logger.warning("kernel build %s: %s", source.name, done.stderr.decode()[-2000:])
+        os.replace(built, target)  # atomic: a concurrent process sees all or nothing

@@ -1,0 +1,518 @@
+// The layer ops (RMSNorm + residual, RoPE + split, SiLU x up) and the matmuls of decode steps.
+// Plain loops that GCC vectorizes (the omp simd pragmas allow the reassociated sums; check with
+// -fopt-info-vec); bfloat16 is widened and rounded with integer ops, the same round-to-nearest-
+// even as torch. Built without FMA contraction: g++ contracts a * b - c into one rounding even
+// under -std=c++17, and torch rounds the product first.
+#include "kernels.h"
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// Split rows over threads only when a call has at least this many elements: below it the
+// fork and join cost more than the work. A 64-row decode batch's norm (37k elements) took
+// 28.7 us on one thread and 19.4 us on two, its RoPE 21.4 and 17.5 us; 16 rows gain nothing.
+static const long PARALLEL_MIN_ELEMENTS = 16384;
+
+static inline float load(float x) { return x; }
+static inline float load(uint16_t x) {  // bfloat16 -> float32 is exact: the high 16 bits
+    return __builtin_bit_cast(float, uint32_t(x) << 16);
+}
+template <typename T> static inline T store(float f);
+template <> inline float store<float>(float f) { return f; }
+template <> inline uint16_t store<uint16_t>(float f) {  // round to nearest even, NaN stays NaN
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? uint16_t(0x7FC0) : r;
+}
+// The value torch holds after rounding to the dtype.
+template <typename T> static inline float round_to(float f) { return load(store<T>(f)); }
+
+// exp(x) for any x: Cephes' expf polynomial (rel. error ~2e-7), inf above 88.72, ~0 below -87.
+// No std::floor and no memcpy: GCC vectorizes neither.
+static inline float exp_any(float x) {
+    const float big = x > 88.72f ? INFINITY : 1.f;
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2): 1.5 * 2^23
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    // fused multiply-adds (this file is built without contraction, for the exact ops)
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p * r, r, r + 1.f);
+    const int32_t bits = (int32_t(n) + 127) << 23;
+    return p * __builtin_bit_cast(float, bits) * big;
+}
+
+// Per row: (residual += x, rounded), then out = w * dtype(r * rsqrt(mean(r^2) + eps)). Without
+// x (null), residual is only read: the plain norm.
+template <typename T>
+static void add_rms_norm(const T* x, T* residual, const T* w, T* out, long rows, long n,
+                         float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) if(rows * n >= PARALLEL_MIN_ELEMENTS)
+    for (long row = 0; row < rows; ++row) {
+        T* res = residual + row * n;
+        float sum = 0.f;
+        if (x != nullptr) {
+            const T* xr = x + row * n;
+            #pragma omp simd reduction(+:sum)
+            for (long i = 0; i < n; ++i) {
+                const T r = store<T>(load(res[i]) + load(xr[i]));
+                res[i] = r;
+                sum += load(r) * load(r);
+            }
+        } else {
+            #pragma omp simd reduction(+:sum)
+            for (long i = 0; i < n; ++i) sum += load(res[i]) * load(res[i]);
+        }
+        const float inv = 1.f / std::sqrt(sum / float(n) + eps);
+        T* o = out + row * n;
+        #pragma omp simd
+        for (long i = 0; i < n; ++i) o[i] = store<T>(load(w[i]) * round_to<T>(load(res[i]) * inv));
+    }
+}
+
+// One head: dst = rotate(src) in halves (HF's rotate_half), float32 math, rounded once.
+template <typename T>
+static inline void rotate(const T* src, T* dst, const float* c, const float* s, int half) {
+    #pragma omp simd
+    for (int i = 0; i < half; ++i) {
+        const float x1 = load(src[i]), x2 = load(src[i + half]);
+        dst[i] = store<T>(x1 * c[i] - x2 * s[i]);
+        dst[i + half] = store<T>(x2 * c[i] + x1 * s[i]);
+    }
+}
+
+// qkv rows (row_stride apart) -> contiguous q [T, H, D], k and v [T, KVH, D]; q, k rotated.
+template <typename T>
+static void split_rope(const T* qkv, long row_stride, T* q, T* k, T* v, const float* cos,
+                       const float* sin, long tokens, int heads, int kv_heads, int head_dim,
+                       int threads) {
+    const int half = head_dim / 2;
+    #pragma omp parallel for num_threads(threads) if(tokens * row_stride >= PARALLEL_MIN_ELEMENTS)
+    for (long t = 0; t < tokens; ++t) {
+        const T* src = qkv + t * row_stride;
+        const float* c = cos + t * half;
+        const float* s = sin + t * half;
+        for (int h = 0; h < heads; ++h)
+            rotate(src + long(h) * head_dim, q + (t * heads + h) * head_dim, c, s, half);
+        src += long(heads) * head_dim;
+        for (int h = 0; h < kv_heads; ++h)
+            rotate(src + long(h) * head_dim, k + (t * kv_heads + h) * head_dim, c, s, half);
+        src += long(kv_heads) * head_dim;
+        std::memcpy(v + t * kv_heads * head_dim, src, sizeof(T) * kv_heads * head_dim);
+    }
+}
+
+// out [T, I] = dtype(silu(gate)) * up, gate_up [T, 2I]; silu(g) = g / (1 + exp(-g)) in float32.
+template <typename T>
+static void silu_mul(const T* gate_up, T* out, long rows, long inter, int threads) {
+    #pragma omp parallel for num_threads(threads) if(rows * inter >= PARALLEL_MIN_ELEMENTS)
+    for (long row = 0; row < rows; ++row) {
+        const T* g = gate_up + row * 2 * inter;
+        const T* u = g + inter;
+        T* o = out + row * inter;
+        #pragma omp simd
+        for (long i = 0; i < inter; ++i) {
+            const float gv = load(g[i]);
+            o[i] = store<T>(round_to<T>(gv / (1.f + exp_any(-gv))) * load(u[i]));
+        }
+    }
+}
+
+// Tiled matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for decode batches (1 to 256
+// rows), with w packed once at load (tiles_pack_bf16) into AMX's tiles:
+// [N/16][K/32] tiles, each 16 k-pairs x 16 columns x 2 (the VNNI layout). Each thread owns a
+// range of 32-column stripes and streams their tiles once, prefetching the next stripe into L2
+// while it multiplies this one, spread evenly over all its passes over the stripe. Two units
+// multiply: AMX tiles, two 16-row blocks a pass (up to 32 rows at memory speed, ~1.7x oneDNN's
+// rate; whole steps at 48-64 rows 1.12-1.19x faster than when only the first pass prefetched,
+// measured), or, on CPUs with AVX512-BF16 and no AMX (AMD Zen 4/5), vdpbf16ps with up to 12
+// rows x 32 columns of sums in registers, a tile row of w loaded once for all of them. Every
+// output row is summed in one order, k ascending, whatever M is, so a row's numbers do not
+// depend on the batch it is in.
+#if defined(__AVX512BF16__)
+#include <cstring>
+#include <omp.h>
+#include <vector>
+#include "bf16.h"
+static const int TILED_MAX_ROWS = 256;  // about even with oneDNN here; above, oneDNN's turn
+
+extern "C" void tiles_pack_bf16(const void* w, void* packed, long N, long K) {
+    const uint16_t* ws = (const uint16_t*)w;
+    uint16_t* ps = (uint16_t*)packed;
+    #pragma omp parallel for
+    for (long nb = 0; nb < N / 16; ++nb)
+        for (long kb = 0; kb < K / 32; ++kb) {
+            uint16_t* tile = ps + (nb * (K / 32) + kb) * 512;
+            for (int r = 0; r < 16; ++r)  // k pair
+                for (int c = 0; c < 16; ++c)
+                    for (int j = 0; j < 2; ++j)
+                        tile[r * 32 + c * 2 + j] = ws[(nb * 16 + c) * K + kb * 32 + 2 * r + j];
+        }
+}
+
+// Prefetch of the next stripe (two tile rows of `lines` cache lines each, from `next`), spread
+// over every k step of every pass: this step's share.
+static inline void prefetch_share(const uint16_t* next, long KB, long kb, long pass,
+                                  long passes) {
+    if (next == nullptr) return;
+    const long step = pass * KB + kb, lines = KB * 16, steps = passes * KB;
+    const long l0 = lines * step / steps, l1 = lines * (step + 1) / steps;
+    for (long line = l0; line < l1; ++line) {
+        _mm_prefetch((const char*)next + line * 64, _MM_HINT_T1);
+        _mm_prefetch((const char*)(next + KB * 512) + line * 64, _MM_HINT_T1);
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Row blocks b0 (and b0 + 1 if TWO) of x against one 32-column stripe (tiles b and b + KB*512):
+// pass `pass` of `passes` over this stripe, which prefetches its share of the next stripe.
+template <bool TWO>
+static inline void amx_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b,
+                             const uint16_t* next, uint16_t* out, long rows0, long rows1,
+                             long K, long N, float (*c)[16][16], long pass, long passes) {
+    const long KB = K / 32;
+    const uint16_t* b1 = b + KB * 512;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (TWO) { _tile_zero(2); _tile_zero(3); }
+    for (long kb = 0; kb < KB; ++kb) {
+        prefetch_share(next, KB, kb, pass, passes);
+        _tile_loadd(4, a0 + kb * 32, K * 2);
+        _tile_loadd(6, b + kb * 512, 64);
+        _tile_loadd(7, b1 + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (TWO) {
+            _tile_loadd(5, a1 + kb * 32, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (TWO) { _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64); }
+    for (int h = 0; h < (TWO ? 2 : 1); ++h)
+        for (long r = 0; r < (h ? rows1 : rows0); ++r) {
+            uint16_t* o = out + (h * 16 + r) * N;
+            _mm256_storeu_si256((__m256i*)o, round_bf16x16(_mm512_load_ps(c[2 * h][r])));
+            _mm256_storeu_si256((__m256i*)(o + 16), round_bf16x16(_mm512_load_ps(c[2 * h + 1][r])));
+        }
+}
+
+static void amx_linear(const void* x, const void* packed, void* out, long M, long K, long N,
+                       int threads) {
+    const uint16_t* xs = (const uint16_t*)x;
+    const uint16_t* ps = (const uint16_t*)packed;
+    uint16_t* os = (uint16_t*)out;
+    const long full = M / 16, blocks = (M + 15) / 16, KB = K / 32, stripes = N / 32;
+    std::vector<uint16_t> tail(M % 16 ? 16 * K : 0, 0);  // a tile always loads 16 rows
+    if (M % 16) std::memcpy(tail.data(), xs + full * 16 * K, (M % 16) * K * 2);
+    auto rows_of = [&](long blk) { return blk < full ? xs + blk * 16 * K : tail.data(); };
+    auto count_of = [&](long blk) { return blk < full ? 16L : M % 16; };
+    #pragma omp parallel num_threads(threads)
+    {
+        configure_tiles();
+        alignas(64) float c[4][16][16];
+        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
+        for (long s = s0; s < s1; ++s) {
+            const uint16_t* b = ps + s * 2 * KB * 512;
+            const uint16_t* next = s + 1 < s1 ? b + 2 * KB * 512 : nullptr;
+            const long passes = (blocks + 1) / 2;
+            for (long blk = 0; blk < blocks; blk += 2) {
+                uint16_t* o = os + blk * 16 * N + s * 32;
+                if (blk + 1 < blocks)
+                    amx_block<true>(rows_of(blk), rows_of(blk + 1), b, next, o, count_of(blk),
+                                    count_of(blk + 1), K, N, c, blk / 2, passes);
+                else
+                    amx_block<false>(rows_of(blk), nullptr, b, next, o, count_of(blk), 0, K, N,
+                                     c, blk / 2, passes);
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+// Rows [0, R) of x (row stride K) against one 32-column stripe: R x 32 sums in registers.
+template <int R>
+static inline void vector_block(const uint16_t* x, const uint16_t* b, const uint16_t* next,
+                                uint16_t* out, long K, long N, long pass, long passes) {
+    const long KB = K / 32;
+    const uint16_t* b1 = b + KB * 512;
+    __m512 acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (long kb = 0; kb < KB; ++kb) {
+        prefetch_share(next, KB, kb, pass, passes);
+        for (int r = 0; r < 16; ++r) {  // k pair 16 kb + r
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b + kb * 512 + r * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b1 + kb * 512 + r * 32);
+            for (int m = 0; m < R; ++m) {
+                int32_t bits;
+                std::memcpy(&bits, x + m * K + kb * 32 + 2 * r, 4);
+                const __m512bh xm = (__m512bh)_mm512_set1_epi32(bits);
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, w0);
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, w1);
+            }
+        }
+    }
+    for (int m = 0; m < R; ++m) {
+        _mm256_storeu_si256((__m256i*)(out + m * N), round_bf16x16(acc[m][0]));
+        _mm256_storeu_si256((__m256i*)(out + m * N + 16), round_bf16x16(acc[m][1]));
+    }
+}
+
+static const int VECTOR_ROWS = 12;  // 24 sums, 2 weight rows and a broadcast: 27 registers
+
+template <int R>
+static void vector_rows(const uint16_t* x, long rows, const uint16_t* b, const uint16_t* next,
+                        uint16_t* out, long K, long N, long pass, long passes) {
+    if (rows == R) return vector_block<R>(x, b, next, out, K, N, pass, passes);
+    if constexpr (R > 1) vector_rows<R - 1>(x, rows, b, next, out, K, N, pass, passes);
+}
+
+static void vector_linear(const void* x, const void* packed, void* out, long M, long K, long N,
+                          int threads) {
+    const uint16_t* xs = (const uint16_t*)x;
+    const uint16_t* ps = (const uint16_t*)packed;
+    uint16_t* os = (uint16_t*)out;
+    const long KB = K / 32, stripes = N / 32, passes = (M + VECTOR_ROWS - 1) / VECTOR_ROWS;
+    #pragma omp parallel num_threads(threads)
+    {
+        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
+        for (long s = s0; s < s1; ++s) {
+            const uint16_t* b = ps + s * 2 * KB * 512;
+            const uint16_t* next = s + 1 < s1 ? b + 2 * KB * 512 : nullptr;
+            for (long pass = 0; pass < passes; ++pass) {  // rows split evenly over passes
+                const long m0 = M * pass / passes, rows = M * (pass + 1) / passes - m0;
+                vector_rows<VECTOR_ROWS>(xs + m0 * K, rows, b, next, os + m0 * N + s * 32, K,
+                                         N, pass, passes);
+            }
+        }
+    }
+}
+
+extern "C" int tiles_linear_bf16(const void* x, const void* packed, void* out, long M, long K,
+                                 long N, int unit, int threads) {
+    if (M < 1 || M > TILED_MAX_ROWS || K % 32 != 0 || N % 32 != 0 || unit > best_tile_unit())
+        return -1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (unit == 2) {
+        amx_linear(x, packed, out, M, K, N, threads);
+        return 0;
+    }
+#endif
+    if (unit != 1) return -1;
+    vector_linear(x, packed, out, M, K, N, threads);
+    return 0;
+}
+extern "C" int tiles_linear_max_rows() { return TILED_MAX_ROWS; }
+extern "C" int tiles_linear_unit() { return best_tile_unit(); }
+#else
+extern "C" void tiles_pack_bf16(const void*, void*, long, long) {}
+extern "C" int tiles_linear_bf16(const void*, const void*, void*, long, long, long, int, int) {
+    return -1;  // no AVX512-BF16 here: the caller keeps oneDNN's matmul
+}
+extern "C" int tiles_linear_max_rows() { return 0; }
+extern "C" int tiles_linear_unit() { return 0; }
+#endif
+
+// Matmul through stripes, on every target: out [M, N] = x [M, K] @ w [N, K]^T for any M, with
+// w packed once at load in stripes of STRIPE = 2 vectors of columns, [N/STRIPE][K][STRIPE]
+// (k-th row of a stripe: its columns' weights at k), float32 or bfloat16 weights (widened in
+// registers: half the bytes streamed, float32 arithmetic). Up to STRIPE_ROWS rows x STRIPE
+// columns of sums in registers, one FMA per row and weight vector, k ascending: every output
+// is one chain of FMAs in one order whatever M is, so a row's numbers do not depend on its
+// batch. Each thread owns a range of stripes; rows go in blocks of STRIPE_ROW_BLOCK (that block
+// of x stays in L2 while the stripes stream by), each block in passes of up to STRIPE_ROWS rows
+// split evenly. bfloat16 activations are widened once per call into float32 scratch, and
+// outputs rounded to the activations' type once, at the end of each chain.
+#include <omp.h>
+#include <vector>
+#include "vec.h"
+static const int STRIPE = 2 * VF::W;
+// sums in registers: 2 per row, with 2 weight vectors and a broadcast beside them
+static const int STRIPE_ROWS = (VF::REGS - 3) / 2 < 12 ? (VF::REGS - 3) / 2 : 12;
+static const long STRIPE_ROW_BLOCK = 20 * STRIPE_ROWS;
+
+template <typename WT>
+static void stripes_pack(const WT* ws, WT* ps, long N, long K) {
+    #pragma omp parallel for
+    for (long s = 0; s < N / STRIPE; ++s)
+        for (long k = 0; k < K; ++k)
+            for (int c = 0; c < STRIPE; ++c)
+                ps[(s * K + k) * STRIPE + c] = ws[(s * STRIPE + c) * K + k];
+}
+
+// rows [0, R) of x (row stride K) against one stripe: R x STRIPE sums in registers
+template <int R, typename WT, typename OT>
+static inline void stripe_block(const float* x, const WT* b, OT* out, long K, long N) {
+    VF acc[R][2];
+    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = VF::zero();
+    for (long k = 0; k < K; ++k) {
+        const VF w0 = VF::load(b + k * STRIPE);
+        const VF w1 = VF::load(b + k * STRIPE + VF::W);
+        for (int m = 0; m < R; ++m) {
+            const VF xm = VF::set1(x[m * K + k]);
+            acc[m][0] = fma(xm, w0, acc[m][0]);
+            acc[m][1] = fma(xm, w1, acc[m][1]);
+        }
+    }
+    for (int m = 0; m < R; ++m) {
+        acc[m][0].store(out + m * N);
+        acc[m][1].store(out + m * N + VF::W);
+    }
+}
+
+template <int R, typename WT, typename OT>
+static void stripe_rows(const float* x, long rows, const WT* b, OT* out, long K, long N) {
+    if (rows == R) return stripe_block<R>(x, b, out, K, N);
+    if constexpr (R > 1) stripe_rows<R - 1>(x, rows, b, out, K, N);
+}
+
+// x as float32: itself, or widened from bfloat16 into this thread's scratch.
+static const float* as_f32(const float* x, long, int) { return x; }
+static const float* as_f32(const uint16_t* x, long n, int threads) {
+    static thread_local std::vector<float> widened;
+    if (long(widened.size()) < n) widened.resize(n);
+    float* w = widened.data();
+    #pragma omp parallel for num_threads(threads) if(n >= 65536)
+    for (long i = 0; i < n; ++i) w[i] = bf16_to_f32(x[i]);
+    return w;
+}
+
+template <typename XT, typename WT>
+static int stripes_linear(const XT* x, const WT* packed, XT* out, long M, long K, long N,
+                          int threads) {
+    if (M < 1 || K < 1 || N % STRIPE != 0) return -1;
+    const float* xs = as_f32(x, M * K, threads);
+    const long stripes = N / STRIPE;
+    #pragma omp parallel num_threads(threads)
+    {
+        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
+        for (long first = 0; first < M; first += STRIPE_ROW_BLOCK) {
+            const long block = M - first < STRIPE_ROW_BLOCK ? M - first : STRIPE_ROW_BLOCK;
+            const long passes = (block + STRIPE_ROWS - 1) / STRIPE_ROWS;
+            for (long s = s0; s < s1; ++s)
+                for (long pass = 0; pass < passes; ++pass) {  // rows split evenly over passes
+                    const long m0 = first + block * pass / passes;
+                    const long rows = first + block * (pass + 1) / passes - m0;
+                    stripe_rows<STRIPE_ROWS>(xs + m0 * K, rows, packed + s * K * STRIPE,
+                                             out + m0 * N + s * STRIPE, K, N);
+                }
+        }
+    }
+    return 0;
+}
+
+int stripes_width() { return STRIPE; }
+void stripes_pack_f32(const void* w, void* packed, long N, long K) {
+    stripes_pack((const float*)w, (float*)packed, N, K);
+}
+void stripes_pack_bf16(const void* w, void* packed, long N, long K) {
+    stripes_pack((const uint16_t*)w, (uint16_t*)packed, N, K);
+}
+int stripes_linear_f32(const void* x, const void* packed, void* out, long M, long K, long N,
+                       int threads) {
+    return stripes_linear((const float*)x, (const float*)packed, (float*)out, M, K, N, threads);
+}
+int stripes_linear_bf16(const void* x, const void* packed, void* out, long M, long K, long N,
+                        int threads) {
+    return stripes_linear((const uint16_t*)x, (const uint16_t*)packed, (uint16_t*)out, M, K, N,
+                          threads);
+}
+
+#define ENTRIES(SUFFIX, T)                                                                    \
+    extern "C" void add_rms_norm_##SUFFIX(const void* x, void* residual, const void* w,       \
+                                          void* out, long rows, long n, float eps, int threads) { \
+        add_rms_norm<T>((const T*)x, (T*)residual, (const T*)w, (T*)out, rows, n, eps, threads); \
+    }                                                                                         \
+    extern "C" void split_rope_##SUFFIX(const void* qkv, long row_stride, void* q, void* k,   \
+                                        void* v, const float* cos, const float* sin,          \
+                                        long tokens, int heads, int kv_heads, int head_dim,   \
+                                        int threads) {                                        \
+        split_rope<T>((const T*)qkv, row_stride, (T*)q, (T*)k, (T*)v, cos, sin, tokens,       \
+                      heads, kv_heads, head_dim, threads);                                    \
+    }                                                                                         \
+    extern "C" void silu_mul_##SUFFIX(const void* gate_up, void* out, long rows, long inter,  \
+                                      int threads) {                                          \
+        silu_mul<T>((const T*)gate_up, (T*)out, rows, inter, threads);                        \
+    }
+ENTRIES(f32, float)
+ENTRIES(bf16, uint16_t)
+
+// A decode step's layer in two calls instead of nine, bfloat16: the ops above in the order
+// LlamaDecoderLayer calls them one by one, through the same kernels (so the same bits), the
+// intermediates in this thread's scratch instead of new tensors. Each matmul is the one
+// FusedOps.linear picks for a decode batch: the tiles where the target has them, else the
+// stripes. Only for row counts and shapes those take; checked before anything is written (-1:
+// the caller goes op by op).
+static uint16_t* scratch(long elements) {
+    static thread_local std::vector<uint16_t> buffer;
+    if (long(buffer.size()) < elements) buffer.resize(elements);
+    return buffer.data();
+}
+
+#if defined(__AVX512BF16__)
+static inline bool decode_matmul_fits(long M, long K, long N, int unit) {
+    return M >= 1 && M <= TILED_MAX_ROWS && K % 32 == 0 && N % 32 == 0 && unit >= 1 &&
+           unit <= best_tile_unit();
+}
+static inline void decode_matmul(const void* x, const void* packed, void* out, long M, long K,
+                                 long N, int unit, int threads) {
+    tiles_linear_bf16(x, packed, out, M, K, N, unit, threads);
+}
+#else
+static inline bool decode_matmul_fits(long M, long K, long N, int) {
+    return M >= 1 && K >= 1 && N % STRIPE == 0;
+}
+static inline void decode_matmul(const void* x, const void* packed, void* out, long M, long K,
+                                 long N, int, int threads) {
+    stripes_linear_bf16(x, packed, out, M, K, N, threads);
+}
+#endif
+
+// x null (the first layer): the norm of the residual alone, which is left as it is.
+extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
+                                     const void* t_qkv, const float* cos,
+                                     const float* sin, void* q, void* k, void* v, long M,
+                                     long hidden, int heads, int kv_heads, int head_dim,
+                                     int unit, int threads) {
+    const long width = long(heads + 2 * kv_heads) * head_dim;
+    if (!decode_matmul_fits(M, hidden, width, unit)) return -1;
+    uint16_t* h = scratch(M * (hidden + width));
+    uint16_t* qkv = h + M * hidden;
+    add_rms_norm<uint16_t>((const uint16_t*)x, (uint16_t*)residual, (const uint16_t*)norm, h, M,
+                           hidden, eps, threads);
+    decode_matmul(h, t_qkv, qkv, M, hidden, width, unit, threads);
+    split_rope<uint16_t>(qkv, width, (uint16_t*)q, (uint16_t*)k, (uint16_t*)v, cos, sin, M,
+                         heads, kv_heads, head_dim, threads);
+    return 0;
+}
+
+extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* t_o,
+                              const void* norm, float eps, const void* t_gate_up,
+                              const void* t_down, void* out, long M, long hidden, long q_size,
+                              long inter, int unit, int threads) {
+    if (!decode_matmul_fits(M, q_size, hidden, unit) ||
+        !decode_matmul_fits(M, hidden, 2 * inter, unit) ||
+        !decode_matmul_fits(M, inter, hidden, unit))
+        return -1;
+    uint16_t* o = scratch(M * (2 * hidden + 3 * inter));
+    uint16_t* h = o + M * hidden;
+    uint16_t* gate_up = h + M * hidden;
+    uint16_t* act = gate_up + M * 2 * inter;
+    decode_matmul(attn, t_o, o, M, q_size, hidden, unit, threads);
+    add_rms_norm<uint16_t>(o, (uint16_t*)residual, (const uint16_t*)norm, h, M, hidden, eps,
+                           threads);
+    decode_matmul(h, t_gate_up, gate_up, M, hidden, 2 * inter, unit, threads);
+    silu_mul<uint16_t>(gate_up, act, M, inter, threads);
+    decode_matmul(act, t_down, out, M, inter, hidden, unit, threads);
+    return 0;
+}

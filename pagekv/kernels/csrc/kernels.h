@@ -1,0 +1,106 @@
+// Every entry point of the kernel libraries, declared once. The Python side reads this file
+// (pagekv/kernels/build.py) for the ctypes signatures, so a declaration here is the whole
+// contract: pointers are addresses (ctypes c_void_p), and only the scalar types void, int,
+// long, float and double appear by value. Each library defines its own section.
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+// decode.cpp: paged decode attention; q, caches and out as the Python wrapper lays them out.
+// start: the first position each row attends (0: all of it); lse: null, or float32
+// [rows, num_heads] for each head's log-sum-exp over those positions; query_lens: null (one
+// query token per sequence) or int32 [num_seqs], the rows of q per sequence.
+void decode_f32_d64(const void* q, const void* kc, const void* vc, const int32_t* tables,
+                    const int32_t* seq_lens, const int32_t* query_lens, float* out, int num_seqs,
+                    int table_stride, int num_heads, int kv_heads, int block_size,
+                    int max_seq_len, int max_query_len, float scale, int num_threads, int start,
+                    float* lse);
+void decode_bf16_d64(const void* q, const void* kc, const void* vc, const int32_t* tables,
+                     const int32_t* seq_lens, const int32_t* query_lens, float* out,
+                     int num_seqs, int table_stride, int num_heads, int kv_heads, int block_size,
+                     int max_seq_len, int max_query_len, float scale, int num_threads, int start,
+                     float* lse);
+void decode_f32_d128(const void* q, const void* kc, const void* vc, const int32_t* tables,
+                     const int32_t* seq_lens, const int32_t* query_lens, float* out,
+                     int num_seqs, int table_stride, int num_heads, int kv_heads, int block_size,
+                     int max_seq_len, int max_query_len, float scale, int num_threads, int start,
+                     float* lse);
+void decode_bf16_d128(const void* q, const void* kc, const void* vc, const int32_t* tables,
+                      const int32_t* seq_lens, const int32_t* query_lens, float* out,
+                      int num_seqs, int table_stride, int num_heads, int kv_heads,
+                      int block_size, int max_seq_len, int max_query_len, float scale,
+                      int num_threads, int start, float* lse);
+// The first maximum of each bfloat16 row (a NaN counts as the maximum, as in torch).
+void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, long cols, int num_threads);
+// A step's new K/V rows into their cache slots; -1 (nothing written) for a slot out of range.
+int write_rows(const char* k, const char* v, char* kc, char* vc, const int64_t* slots,
+               long tokens, long row_bytes, long num_slots);
+
+// prefill.cpp: attention in tiles. Each returns 0, or -1 where this target has no kernel for
+// the call (the caller keeps SDPA or the decode kernel).
+int prefill_attention_bf16_d64(const void* q, const void* kc, const void* vc, void* out,
+                               const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                               int num_heads, int kv_heads, int block_size, float scale,
+                               int threads);
+int shared_prefix_attention_bf16_d64(const void* q, const void* kc, const void* vc,
+                                     const int32_t* table, int prefix_len, int num_seqs,
+                                     int num_heads, int kv_heads, int block_size, float scale,
+                                     float* out, const float* lse, int threads);
+int decode_attention_bf16_d64(const void* q, const void* kc, const void* vc, void* out,
+                              const int32_t* tables, int table_stride, const int32_t* seq_lens,
+                              const int32_t* query_lens, int num_seqs, int num_heads,
+                              int kv_heads, int block_size, int max_seq_len, float scale,
+                              int threads);
+// The unit multiplying tiles (2 AMX, 1 AVX512-BF16 vectors, 0 none); `request` 1 or 2
+// switches to it where it can, anything else only asks.
+int prefill_kernel_backend(int request);
+int prefill_attention_f32_d64(const void* q, const void* kc, const void* vc, void* out,
+                              const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                              int num_heads, int kv_heads, int block_size, float scale,
+                              int threads);
+int prefill_f32_available(void);
+
+// fused_ops.cpp: the layer ops, float32 (_f32) and bfloat16 (_bf16).
+void add_rms_norm_f32(const void* x, void* residual, const void* w, void* out, long rows, long n,
+                      float eps, int threads);
+void add_rms_norm_bf16(const void* x, void* residual, const void* w, void* out, long rows,
+                       long n, float eps, int threads);
+void split_rope_f32(const void* qkv, long row_stride, void* q, void* k, void* v,
+                    const float* cos, const float* sin, long tokens, int heads, int kv_heads,
+                    int head_dim, int threads);
+void split_rope_bf16(const void* qkv, long row_stride, void* q, void* k, void* v,
+                     const float* cos, const float* sin, long tokens, int heads, int kv_heads,
+                     int head_dim, int threads);
+void silu_mul_f32(const void* gate_up, void* out, long rows, long inter, int threads);
+void silu_mul_bf16(const void* gate_up, void* out, long rows, long inter, int threads);
+// bfloat16 matmul through packed tiles (AMX / AVX512-BF16): 0, or -1 for a call it declines.
+void tiles_pack_bf16(const void* w, void* packed, long N, long K);
+int tiles_linear_bf16(const void* x, const void* packed, void* out, long M, long K, long N,
+                      int unit, int threads);
+int tiles_linear_max_rows(void);
+int tiles_linear_unit(void);
+// Matmul through weights packed in stripes of stripes_width() columns, on every target:
+// float32 or bfloat16 weights and activations (the weights' type), float32 sums.
+int stripes_width(void);
+void stripes_pack_f32(const void* w, void* packed, long N, long K);
+void stripes_pack_bf16(const void* w, void* packed, long N, long K);
+int stripes_linear_f32(const void* x, const void* packed, void* out, long M, long K, long N,
+                       int threads);
+int stripes_linear_bf16(const void* x, const void* packed, void* out, long M, long K, long N,
+                        int threads);
+// A decode layer's two halves around attention, bfloat16, in one call each (-1: declined).
+int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
+                          const void* t_qkv, const float* cos, const float* sin, void* q,
+                          void* k, void* v, long M, long hidden, int heads, int kv_heads,
+                          int head_dim, int unit, int threads);
+int mlp_block_bf16(const void* attn, void* residual, const void* t_o, const void* norm,
+                   float eps, const void* t_gate_up, const void* t_down, void* out, long M,
+                   long hidden, long q_size, long inter, int unit, int threads);
+
+// roofline.cpp: this machine's peaks (-1 where the target lacks the instructions).
+double fma_f32(long iters, int threads);
+double read_f32(const float* x, long n, int threads);
+double dot_bf16(long iters, int threads);
+
+}  // extern "C"

@@ -1,0 +1,204 @@
+// The vector layer: float32 lanes as one type, VF, whose body is the target's widest
+// registers: 16 lanes of AVX-512, 8 of AVX2 + FMA, or 4 plain floats that the compiler
+// vectorizes as it can (the generic target, and any CPU that is not x86). Kernels written
+// against VF build for every target from one source; only a kernel that needs an instruction
+// VF does not offer (bf16 dot products, AMX tiles) keeps a target branch of its own.
+//
+// Every operation rounds as its scalar form does (fma is one rounding, but for the generic
+// body on a CPU without FMA instructions, where it is a product and a sum), so a kernel's sums
+// follow the order it writes on every target; only the lane count changes which partial sums
+// a horizontal reduction adds in which order.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// bfloat16 <-> float32 for one number: widening is exact (the high 16 bits); rounding is to
+// nearest even, as torch's, and a NaN stays a NaN.
+static inline float bf16_to_f32(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? uint16_t(0x7FC0) : r;
+}
+
+#if defined(__AVX512F__)
+struct VF {
+    static constexpr int W = 16;     // lanes
+    static constexpr int REGS = 32;  // vector registers
+    __m512 v;
+    static VF zero() { return {_mm512_setzero_ps()}; }
+    static VF set1(float x) { return {_mm512_set1_ps(x)}; }
+    static VF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+    static VF load(const uint16_t* p) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+    }
+    // lanes [0, min(n, W)) from p, the rest `fill`
+    static __mmask16 first_mask(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+    static VF load_first(const float* p, int n, float fill = 0.f) {
+        return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), first_mask(n), p)};
+    }
+    void store(float* p) const { _mm512_storeu_ps(p, v); }
+    void store_first(float* p, int n) const { _mm512_mask_storeu_ps(p, first_mask(n), v); }
+    bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+    void store(uint16_t* p) const {  // rounded to bfloat16 as f32_to_bf16 rounds each lane
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7FC0));
+        _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+    }
+    float reduce_add() const { return _mm512_reduce_add_ps(v); }
+    float reduce_max() const { return _mm512_reduce_max_ps(v); }
+};
+static inline VF operator+(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline VF operator-(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline VF operator*(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline VF fma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b+c
+static inline VF max(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline VF floor(VF a) {
+    return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
+}
+static inline VF pow2(VF n) {  // 2^n for whole n in [-127, 127]
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+struct VF {
+    static constexpr int W = 8;
+    static constexpr int REGS = 16;
+    __m256 v;
+    static VF zero() { return {_mm256_setzero_ps()}; }
+    static VF set1(float x) { return {_mm256_set1_ps(x)}; }
+    static VF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+    static VF load(const uint16_t* p) {
+        const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+        return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+    }
+    static __m256i first_mask(int n) {
+        return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    }
+    static VF load_first(const float* p, int n, float fill = 0.f) {
+        const __m256i m = first_mask(n);
+        return {_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, m),
+                                 _mm256_castsi256_ps(m))};
+    }
+    void store(float* p) const { _mm256_storeu_ps(p, v); }
+    void store_first(float* p, int n) const { _mm256_maskstore_ps(p, first_mask(n), v); }
+    bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+    void store(uint16_t* p) const {
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(
+            _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+        // 8 x 32-bit -> 8 x 16-bit: every value fits, so the saturating pack is exact
+        const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128((__m128i*)p, packed);
+    }
+    float reduce_add() const {
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+    float reduce_max() const {
+        const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+    }
+};
+static inline VF operator+(VF a, VF b) { return {_mm256_add_ps(a.v, b.v)}; }
+static inline VF operator-(VF a, VF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+static inline VF operator*(VF a, VF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+static inline VF fma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+static inline VF max(VF a, VF b) { return {_mm256_max_ps(a.v, b.v)}; }
+static inline VF floor(VF a) { return {_mm256_floor_ps(a.v)}; }
+static inline VF pow2(VF n) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
+}
+#else
+struct VF {
+    static constexpr int W = 4;
+    static constexpr int REGS = 16;
+    float v[4];
+    static VF zero() { return {{0.f, 0.f, 0.f, 0.f}}; }
+    static VF set1(float x) { return {{x, x, x, x}}; }
+    template <typename T>
+    static VF load(const T* p) {
+        VF r;
+        for (int i = 0; i < W; ++i) r.v[i] = widen(p[i]);
+        return r;
+    }
+    static VF load_first(const float* p, int n, float fill = 0.f) {
+        VF r = set1(fill);
+        for (int i = 0; i < n && i < W; ++i) r.v[i] = p[i];
+        return r;
+    }
+    void store(float* p) const {
+        for (int i = 0; i < W; ++i) p[i] = v[i];
+    }
+    void store_first(float* p, int n) const {
+        for (int i = 0; i < n && i < W; ++i) p[i] = v[i];
+    }
+    bool any_nan() const { return v[0] != v[0] || v[1] != v[1] || v[2] != v[2] || v[3] != v[3]; }
+    void store(uint16_t* p) const {
+        for (int i = 0; i < W; ++i) p[i] = f32_to_bf16(v[i]);
+    }
+    float reduce_add() const { return (v[0] + v[2]) + (v[1] + v[3]); }
+    float reduce_max() const {
+        const float a = v[0] > v[2] ? v[0] : v[2], b = v[1] > v[3] ? v[1] : v[3];
+        return a > b ? a : b;
+    }
+    static float widen(float x) { return x; }
+    static float widen(uint16_t x) { return bf16_to_f32(x); }
+};
+#define PAGEKV_VF_LANEWISE(EXPR)             \
+    VF r;                                    \
+    for (int i = 0; i < VF::W; ++i) r.v[i] = EXPR; \
+    return r
+static inline VF operator+(VF a, VF b) { PAGEKV_VF_LANEWISE(a.v[i] + b.v[i]); }
+static inline VF operator-(VF a, VF b) { PAGEKV_VF_LANEWISE(a.v[i] - b.v[i]); }
+static inline VF operator*(VF a, VF b) { PAGEKV_VF_LANEWISE(a.v[i] * b.v[i]); }
+#if defined(__FMA__) || defined(__aarch64__)
+static inline VF fma(VF a, VF b, VF c) { PAGEKV_VF_LANEWISE(std::fma(a.v[i], b.v[i], c.v[i])); }
+#else  // no FMA instruction: std::fma would be a software emulation, so two roundings
+static inline VF fma(VF a, VF b, VF c) { PAGEKV_VF_LANEWISE(a.v[i] * b.v[i] + c.v[i]); }
+#endif
+static inline VF max(VF a, VF b) { PAGEKV_VF_LANEWISE(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+static inline VF floor(VF a) { PAGEKV_VF_LANEWISE(std::floor(a.v[i])); }
+static inline VF pow2(VF n) {
+    VF r;
+    for (int i = 0; i < VF::W; ++i) {
+        const int32_t bits = (int32_t(n.v[i]) + 127) << 23;
+        std::memcpy(&r.v[i], &bits, 4);
+    }
+    return r;
+}
+#undef PAGEKV_VF_LANEWISE
+#endif
+
+// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial, relative error ~2e-7,
+// the same operations in the same order on every target. Inline and branch-free so the
+// softmaxes stay in registers; libm's expf is a scalar call.
+static inline VF exp_nonpositive(VF x) {
+    x = max(x, VF::set1(-87.f));
+    const VF n = floor(x * VF::set1(1.44269504f) + VF::set1(0.5f));
+    const VF r = (x - n * VF::set1(0.693359375f)) + n * VF::set1(2.12194440e-4f);
+    VF p = VF::set1(1.9875691500e-4f);
+    p = p * r + VF::set1(1.3981999507e-3f);
+    p = p * r + VF::set1(8.3334519073e-3f);
+    p = p * r + VF::set1(4.1665795894e-2f);
+    p = p * r + VF::set1(1.6666665459e-1f);
+    p = p * r + VF::set1(5.0000001201e-1f);
+    p = (p * r * r + r) + VF::set1(1.f);
+    return p * pow2(n);
+}

@@ -1,0 +1,413 @@
+"""``LayerOps`` in C++ (``csrc/fused_ops.cpp``): each of RMSNorm(+residual), RoPE+split and
+SiLU*up is one call per layer instead of 3-12 torch ops, for float32 and bfloat16 models; and
+the matmuls, through weights packed once at load:
+
+- stripes (every target: AVX-512, AVX2 + FMA, generic): float32 or bfloat16 weights, float32
+  FMAs, every row count; bf16 weights are widened in registers, so they stream half the bytes
+  of float32 and are never multiplied by emulated bf16 instructions;
+- tiles (AVX512-BF16 vectors or AMX, where the target has them): bfloat16 decode steps of 1-256
+  rows, which stream the weights faster than oneDNN does; larger bf16 batches go to oneDNN.
+
+A decode layer's two halves around attention (``attention_inputs``, ``mlp_block``) are one C
+call each on bf16 decode batches: the same kernels in the same order, so the same bits, without
+nine Python calls and their new tensors.
+
+Owns the weight layouts (``pack``) and the ctypes calls. The numbers follow
+``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one rounding to the dtype
+wherever torch rounds); only the sum of squares (another order) and exp (another polynomial)
+differ, by float32 ulps. Rows are split over ``torch.get_num_threads()`` OpenMP threads once a
+call has enough work; each row is computed the same way whatever the split, so threads never
+change a bit. The stripes sum each output in one order (k ascending, one FMA chain) for any row
+count, so a row's numbers never depend on its batch; the tile kernels sum in one order for any
+row count up to 256 (the AMX one as oneDNN does up to 32 rows). So in bfloat16 with tiles a
+sequence's numbers depend, within a bf16 ulp per matmul, only on whether its batch had up to
+256 rows or more.
+
+``load()`` returns None (callers keep ``TorchOps``) when there is no compiler, the build fails,
+``PAGEKV_FUSED_OPS=0`` or ``PAGEKV_CPU_ISA=none``. Imports nothing from runner/ or core/.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import torch
+
+from pagekv.kernels import build
+from pagekv.kernels.isa import TILE_UNITS
+from pagekv.models import layer_ops
+
+DISABLE_ENV = "PAGEKV_FUSED_OPS"
+
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# The most rows a layer half goes through in one C call on stripes (a decode batch; the tiles
+# have their own limit).
+ONE_CALL_MAX_ROWS = 256
+
+
+class FusedOps:
+    """``LayerOps`` through the loaded library, for the dtypes ``supports`` accepts.
+
+    The C side trusts its pointers, so every call checks dtypes, shapes and layout first and
+    raises ValueError on a mismatch (a caller bug, not a fallback case).
+    """
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions: dict[tuple[str, torch.dtype], Any] = {  # ctypes functions
+            (op, dtype): getattr(library, f"{op}_{suffix}")
+            for op in ("add_rms_norm", "split_rope", "silu_mul")
+            for dtype, suffix in _SUFFIXES.items()
+        }
+        self._tiled = library.tiles_linear_bf16
+        self._tiles_pack = library.tiles_pack_bf16
+        self._tiles_max_rows = int(library.tiles_linear_max_rows())  # 0: no AVX512-BF16
+        self._best_unit = int(library.tiles_linear_unit())
+        self._unit = self._best_unit  # which multiplies the tiles: 2 AMX, 1 vectors
+        self._attention_inputs = library.attention_inputs_bf16
+        self._mlp_block = library.mlp_block_bf16
+        self._stripe = int(library.stripes_width())  # columns a stripe: two vectors
+        self._stripes_pack = {
+            torch.float32: library.stripes_pack_f32,
+            torch.bfloat16: library.stripes_pack_bf16,
+        }
+        self._stripes = {
+            torch.float32: library.stripes_linear_f32,
+            torch.bfloat16: library.stripes_linear_bf16,
+        }
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _SUFFIXES
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _check_rows(x, weight)
+        out = torch.empty_like(x)
+        fn = self._functions[("add_rms_norm", x.dtype)]
+        fn(None, x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape, eps, _threads())
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Updates ``residual`` in place and returns it."""
+        _check_rows(residual, weight)
+        if not (x.is_contiguous() and x.shape == residual.shape and x.dtype == residual.dtype):
+            raise ValueError("fused add_rms_norm: x must match the residual")
+        out = torch.empty_like(x)
+        fn = self._functions[("add_rms_norm", x.dtype)]
+        rows, n = residual.shape
+        fn(
+            x.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            n,
+            eps,
+            _threads(),
+        )
+        return out, residual
+
+    def split_rope(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens, width = qkv.shape
+        half = cos.shape[-1]
+        head_dim = 2 * half
+        if not (
+            qkv.dtype in _SUFFIXES
+            and qkv.stride(1) == 1
+            and width == (num_heads + 2 * num_kv_heads) * head_dim
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and cos.shape == sin.shape == (num_tokens, half)
+        ):
+            raise ValueError("fused split_rope: wrong dtype, shape or layout of its inputs")
+        q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
+        k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype)
+        v = torch.empty_like(k)
+        fn = self._functions[("split_rope", qkv.dtype)]
+        fn(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            _threads(),
+        )
+        return q, k, v
+
+    @property
+    def matmul_unit(self) -> str | None:
+        """What multiplies packed tiles: "amx", "avx512-bf16" (vectors), or None (no tiles)."""
+        return TILE_UNITS.get(self._unit) if self._tiles_max_rows else None
+
+    def use_matmul_unit(self, name: str) -> bool:
+        """Multiply tiles on "amx" or "avx512-bf16" where this CPU has it (tests compare the
+        two; the packed layout is the same). True if now in use."""
+        code = next((c for c, n in TILE_UNITS.items() if n == name), 0)
+        if 0 < code <= self._best_unit:
+            self._unit = code
+        return self._unit == code
+
+    @property
+    def stripe_width(self) -> int:
+        """Columns of a stripe: two of the target's vectors (32 on AVX-512, 16 on AVX2)."""
+        return self._stripe
+
+    def pack(
+        self, weight: torch.Tensor, allocate: layer_ops.Allocate = layer_ops.torch_empty
+    ) -> torch.Tensor | None:
+        """The same numbers of an [out, in] weight reordered for this object's matmuls: in bf16
+        where the target has tiles (AVX512-BF16, AMX; sides multiples of 32) the tiled
+        kernel's tiles, a [out / 16, in / 32, 16, 32] tensor; else, float32 or bf16 with out a
+        multiple of ``stripe_width`` S, stripes [out / S, in, S] of the weight's dtype;
+        otherwise ``layer_ops.pack`` (oneDNN's copy, or None). Tiles and stripes go into a
+        tensor from ``allocate``."""
+        out_features, in_features = weight.shape
+        dtype, stripe = weight.dtype, self._stripe
+        if not weight.is_contiguous() or dtype not in _SUFFIXES:
+            return layer_ops.pack(weight)
+        if self._tiles_max_rows and dtype == torch.bfloat16:
+            if out_features % 32 or in_features % 32:
+                return layer_ops.pack(weight)
+            packed = allocate((out_features // 16, in_features // 32, 16, 32), dtype)
+            self._tiles_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+            return packed
+        if out_features % stripe:
+            return layer_ops.pack(weight)
+        packed = allocate((out_features // stripe, in_features, stripe), dtype)
+        self._stripes_pack[dtype](weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+        return packed
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        packed: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """bf16 without bias, at up to 256 rows with tiles from ``pack`` (none on CPUs without
+        AVX512-BF16): the tiled kernel (AMX, or vectors), within a bf16 ulp of torch's matmul,
+        streaming a step's weights faster than oneDNN up to 32 rows (about even above).
+        float32 without bias, with stripes from ``pack``: the float32 kernel at any row count.
+        Otherwise ``layer_ops.linear``."""
+        rows, width = x.shape
+        ours = packed is not None and packed.dim() in (3, 4)  # stripes or tiles, not oneDNN's
+        if packed is not None and packed.dim() == 3:
+            stripe = self._stripe
+            if packed.shape != (weight.shape[0] // stripe, width, stripe) or (
+                x.dtype != packed.dtype
+            ):
+                raise ValueError("fused linear: packed stripes do not match the weight or x")
+            if bias is None and x.is_contiguous():
+                out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
+                args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width)
+                if self._stripes[x.dtype](*args, weight.shape[0], _threads()) == 0:
+                    return out
+        if packed is not None and packed.dim() == 4 and rows <= self._tiles_max_rows:
+            out_features = weight.shape[0]
+            if packed.shape != (out_features // 16, width // 32, 16, 32):
+                raise ValueError("fused linear: packed tiles do not match the weight")
+            if x.dtype == torch.bfloat16 and bias is None and x.is_contiguous():
+                out = torch.empty((rows, out_features), dtype=x.dtype)
+                args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width)
+                if self._tiled(*args, out_features, self._unit, _threads()) == 0:
+                    return out  # else (a shape the C side declines): torch
+        return layer_ops.linear(x, weight, None if ours else packed, bias)
+
+    def attention_inputs(
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        qkv: layer_ops.Linear,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer_ops.attention_inputs`` in one C call for bf16 decode batches whose matmul
+        the tiles take (the same kernels, so the same bits); op by op otherwise."""
+        rows, hidden = residual.shape
+        half = cos.shape[-1]
+        if (
+            self._fits_one_call(residual, norm, rows, (qkv,))
+            and (x is None or (x.shape == residual.shape and x.dtype == residual.dtype))
+            and (x is None or x.is_contiguous())
+            and qkv.weight.shape == ((num_heads + 2 * num_kv_heads) * 2 * half, hidden)
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape == (rows, half)
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        ):
+            q = torch.empty((rows, num_heads, 2 * half), dtype=torch.bfloat16)
+            k = torch.empty((rows, num_kv_heads, 2 * half), dtype=torch.bfloat16)
+            v = torch.empty_like(k)
+            status = self._attention_inputs(
+                None if x is None else x.data_ptr(),
+                residual.data_ptr(),
+                norm.data_ptr(),
+                eps,
+                _packed(qkv.packed),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                rows,
+                hidden,
+                num_heads,
+                num_kv_heads,
+                2 * half,
+                self._unit,
+                _threads(),
+            )
+            if status == 0:
+                return q, k, v, residual
+        return layer_ops.attention_inputs(
+            self, x, residual, norm, eps, qkv, cos, sin, num_heads, num_kv_heads
+        )
+
+    def mlp_block(
+        self,
+        attn: torch.Tensor,
+        residual: torch.Tensor,
+        o_proj: layer_ops.Linear,
+        norm: torch.Tensor,
+        eps: float,
+        gate_up: layer_ops.Linear,
+        down: layer_ops.Linear,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer_ops.mlp_block`` in one C call for bf16 decode batches whose matmuls the
+        tiles take (the same kernels, so the same bits); op by op otherwise."""
+        rows, hidden = residual.shape
+        inter = down.weight.shape[1]
+        if (
+            self._fits_one_call(residual, norm, rows, (o_proj, gate_up, down))
+            and attn.dtype == torch.bfloat16
+            and attn.is_contiguous()
+            and attn.shape == (rows, o_proj.weight.shape[1])
+            and o_proj.weight.shape[0] == hidden
+            and gate_up.weight.shape == (2 * inter, hidden)
+            and down.weight.shape[0] == hidden
+        ):
+            out = torch.empty_like(residual)
+            status = self._mlp_block(
+                attn.data_ptr(),
+                residual.data_ptr(),
+                _packed(o_proj.packed),
+                norm.data_ptr(),
+                eps,
+                _packed(gate_up.packed),
+                _packed(down.packed),
+                out.data_ptr(),
+                rows,
+                hidden,
+                attn.shape[1],
+                inter,
+                self._unit,
+                _threads(),
+            )
+            if status == 0:
+                return out, residual
+        return layer_ops.mlp_block(self, attn, residual, o_proj, norm, eps, gate_up, down)
+
+    def _fits_one_call(
+        self,
+        residual: torch.Tensor,
+        norm: torch.Tensor,
+        rows: int,
+        linears: tuple[layer_ops.Linear, ...],
+    ) -> bool:
+        """Whether a layer half of ``rows`` bf16 rows can go through one C call: the residual
+        and norm as the C side reads them, and every matmul one ``linear`` would give the
+        tiles or, without them, the stripes (a bias never)."""
+        if not (
+            0 < rows <= (self._tiles_max_rows or ONE_CALL_MAX_ROWS)
+            and residual.dtype == norm.dtype == torch.bfloat16
+            and residual.is_contiguous()
+            and norm.is_contiguous()
+            and norm.shape == residual.shape[1:]
+        ):
+            return False
+        for weight, packed, bias in linears:
+            out_features, in_features = weight.shape
+            if bias is not None or weight.dtype != torch.bfloat16 or packed is None:
+                return False
+            if packed.shape != self._decode_layout(out_features, in_features):
+                return False
+        return True
+
+    def _decode_layout(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        """The packed bf16 shape the C layer halves multiply: tiles where the target has
+        them, else stripes."""
+        if self._tiles_max_rows:
+            return (out_features // 16, in_features // 32, 16, 32)
+        return (out_features // self._stripe, in_features, self._stripe)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not (
+            gate_up.dtype in _SUFFIXES
+            and gate_up.is_contiguous()
+            and gate_up.dim() == 2
+            and gate_up.shape[1] % 2 == 0
+        ):
+            raise ValueError("fused silu_mul: gate_up must be a contiguous [T, 2 * I]")
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, inter), dtype=gate_up.dtype)
+        fn = self._functions[("silu_mul", gate_up.dtype)]
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, inter, _threads())
+        return out
+
+
+def _packed(packed: torch.Tensor | None) -> int | None:
+    """The address of packed tiles or stripes; None for no copy or oneDNN's (no storage)."""
+    return packed.data_ptr() if packed is not None and packed.dim() in (3, 4) else None
+
+
+def _threads() -> int:
+    return torch.get_num_threads()  # the engine's thread setting, as the decode kernel's
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if not (
+        x.dim() == 2
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and weight.shape == (x.shape[1],)
+        and x.dtype == weight.dtype
+        and x.dtype in _SUFFIXES
+    ):
+        raise ValueError("fused rms_norm: x must be a contiguous [T, hidden] like its weight")
+
+
+# No FMA contraction: g++ contracts a * b - c into one rounding even under -std=c++17, and torch
+# rounds the product first.
+_EXTRA_FLAGS = ("-ffp-contract=off",)
+
+
+def load(target: str | None = None) -> FusedOps | None:
+    """The ops built for ``target`` (default: the selected one, ``isa.selected()``); None if
+    unavailable or disabled (``PAGEKV_FUSED_OPS=0``)."""
+    return _wrap(build.library_for("fused_ops", target, DISABLE_ENV, _EXTRA_FLAGS))
+
+
+@functools.cache
+def _wrap(library: ctypes.CDLL | None) -> FusedOps | None:
+    return None if library is None else FusedOps(library)

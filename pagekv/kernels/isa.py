@@ -1,0 +1,128 @@
+"""Kernel targets: the instruction sets a library is built for, and which one runs here.
+
+Every kernel library is built once per target from the same sources (``csrc/``); the
+``#if defined(__AVX512F__)``-style branches and the vector layer (``csrc/vec.h``) pick each
+target's bodies. At run time the best target this CPU can execute is chosen, or the one
+``$PAGEKV_CPU_ISA`` names (``none``: no C kernels, torch ops everywhere), so a machine with more
+can measure the lesser ones.
+
+Imports nothing of pagekv but its errors, and no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass
+
+from pagekv.errors import PagekvError
+
+ISA_ENV = "PAGEKV_CPU_ISA"
+NONE = "none"  # $PAGEKV_CPU_ISA=none: the torch fallbacks everywhere
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    flags: tuple[str, ...]  # compiler flags selecting the instruction set
+    needs: tuple[str, ...]  # /proc/cpuinfo flags the CPU must have
+    x86_only: bool = True
+
+    def missing(self, features: frozenset[str]) -> tuple[str, ...]:
+        """The features this CPU lacks for the target (empty: it runs here)."""
+        if self.x86_only and not _is_x86():
+            return ("x86-64",)
+        return tuple(f for f in self.needs if f not in features)
+
+
+_AVX2 = ("avx2", "fma", "f16c", "bmi2")
+_AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
+
+# Lesser to greater; each needs what the ones before it need (but generic).
+TARGETS: tuple[Target, ...] = (
+    Target("generic", (), (), x86_only=False),  # the compiler's default instruction set
+    Target("avx2", ("-march=x86-64-v3",), _AVX2),
+    Target("avx512", ("-march=x86-64-v4",), _AVX512),
+    Target("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), (*_AVX512, "avx512_bf16")),
+    Target(
+        "amx",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        (*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16"),
+    ),
+)
+BY_NAME = {t.name: t for t in TARGETS}
+
+
+# What multiplies packed bf16 tiles, by the codes the libraries' best_tile_unit() returns.
+TILE_UNITS = {2: "amx", 1: "avx512-bf16"}
+
+
+class KernelTargetError(PagekvError, ValueError):
+    """``$PAGEKV_CPU_ISA`` names no target, or one this CPU cannot execute."""
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (empty where /proc/cpuinfo is not)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def runnable() -> tuple[str, ...]:
+    """The targets this CPU can execute, lesser to greater."""
+    features = cpu_features()
+    return tuple(t.name for t in TARGETS if not t.missing(features))
+
+
+def best() -> str:
+    return runnable()[-1]
+
+
+def selected() -> str | None:
+    """The target the kernels load: ``$PAGEKV_CPU_ISA`` if set, else the best one here; None
+    for ``none``. Raises KernelTargetError for a name that is not a target or cannot run here."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    if not name:
+        return best()
+    if name == NONE:
+        return None
+    if name not in BY_NAME:
+        choices = ", ".join([*BY_NAME, NONE])
+        raise KernelTargetError(f"{ISA_ENV}={name!r}: not a kernel target (one of {choices})")
+    missing = BY_NAME[name].missing(cpu_features())
+    if missing:
+        raise KernelTargetError(
+            f"{ISA_ENV}={name}: this CPU lacks {', '.join(missing)}; it can run "
+            + ", ".join(runnable())
+        )
+    return name
+
+
+def shown_features() -> str:
+    """The vector features that matter to the kernels, as found on this CPU."""
+    features = cpu_features()
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "sve")
+    return " ".join(f for f in wanted if f in features) or "none of avx2/avx512/amx"

@@ -1,0 +1,68 @@
+"""The system-info line: what this CPU has and which kernel runs each part of a step.
+
+llama.cpp's system-info line is the model: a user who wonders why a step is slow reads, at
+start-up, the CPU's vector features, the kernel target chosen (``isa``), and for each part of a
+step whether a C++ kernel or torch runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagekv.kernels import build, isa
+
+
+def matmul_kind(packed: torch.Tensor | None, unit: str | None) -> str:
+    """How a weight copy is multiplied: by its layout (see ``fused_ops.FusedOps.pack``)."""
+    if packed is None:
+        return "torch"
+    if packed.dim() == 4:
+        return f"tiles ({unit})"
+    if packed.dim() == 3:
+        return f"stripes of {packed.shape[-1]}"
+    return "oneDNN"
+
+
+def describe(
+    target: str | None,
+    dtype: torch.dtype,
+    decode: Any,
+    prefill: Any,
+    fused: Any,
+    packed: torch.Tensor | None,
+) -> dict[str, str]:
+    """The kernels a runner uses: every value a short phrase, for stats() and the line."""
+
+    def c_or(kernel: Any, fallback: str) -> str:
+        return "C++" if kernel is not None else fallback
+
+    prefill_ok = prefill is not None and prefill.supports_prefill(dtype, 64)
+    info = {
+        "cpu": isa.cpu_name(),
+        "cpu_features": isa.shown_features(),
+        "kernel_target": target or isa.NONE,
+        "decode_attention": c_or(decode, "torch"),
+        "prefill_attention": "C++" if prefill_ok else "SDPA",
+        "layer_ops": c_or(fused, "torch"),
+        "matmul": matmul_kind(packed, getattr(fused, "matmul_unit", None)),
+    }
+    failed = [
+        f"{name} ({target_})" for (name, target_), why in build.outcomes().items() if why != "ok"
+    ]
+    if failed:
+        info["kernel_build_failures"] = ", ".join(sorted(failed))
+    return info
+
+
+def line(info: dict[str, str], dtype: torch.dtype) -> str:
+    dtype_name = str(dtype).removeprefix("torch.")
+    text = (
+        f"CPU: {info['cpu']} ({info['cpu_features']}); kernel target {info['kernel_target']}; "
+        f"{dtype_name}: decode attention {info['decode_attention']}, prefill attention "
+        f"{info['prefill_attention']}, layer ops {info['layer_ops']}, matmuls {info['matmul']}"
+    )
+    if "kernel_build_failures" in info:
+        text += f"; failed to build: {info['kernel_build_failures']}"
+    return text
