@@ -43,19 +43,40 @@ def _target_kernels(kernel_target: str) -> Iterator[str]:
     KERNEL, PREFILL = saved
 
 
-@pytest.fixture(params=["amx", "avx512-bf16"])
-def prefill_unit(request: pytest.FixtureRequest, _target_kernels: str) -> Iterator[str]:
-    """The prefill kernel on each unit the target has (tiles, vectors), switched back after."""
+def _tile_unit(name: str) -> Iterator[str]:
+    """The tile kernels on unit ``name`` if the target has it, switched back after."""
     if PREFILL is None or not PREFILL.available:
-        pytest.skip("the bf16 prefill kernel needs the avx512bf16 or amx target (and a compiler)")
+        pytest.skip("the bf16 tile kernels need the avx512bf16 or amx target (and a compiler)")
     default = PREFILL.backend
-    if not PREFILL.use_backend(request.param):
-        pytest.skip(f"no {request.param} on this target")
-    yield request.param
+    if not PREFILL.use_backend(name):
+        pytest.skip(f"no {name} on this target")
+    yield name
     assert default is not None and PREFILL.use_backend(default)
 
 
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def prefill_unit(request: pytest.FixtureRequest, _target_kernels: str) -> Iterator[str]:
+    """The tile kernels on each unit the target has (tiles, vectors)."""
+    yield from _tile_unit(request.param)
+
+
 needs_prefill_kernel = pytest.mark.usefixtures("prefill_unit")
+
+
+@pytest.fixture(params=["amx", "avx512-bf16", "float32 vectors"])
+def bf16_prefill_unit(request: pytest.FixtureRequest, _target_kernels: str) -> Iterator[str]:
+    """bf16 prefill chunks on each unit the target has: tiles where it has them, else the
+    float32 vector kernel reading bf16 K/V."""
+    if PREFILL is None:
+        pytest.skip("no C++ compiler: the kernel is optional")
+    if request.param == "float32 vectors":
+        if PREFILL.available:
+            pytest.skip("this target prefills bf16 in tiles")
+        yield request.param
+        return
+    yield from _tile_unit(request.param)
+
+
 BACKENDS = [
     "torch",
     pytest.param(
@@ -213,7 +234,7 @@ def _prefill_step(
     return PrefillStep(q, torch.cat(new_k), torch.cat(new_v), (k_cache, v_cache), layout)
 
 
-@needs_prefill_kernel
+@pytest.mark.usefixtures("bf16_prefill_unit")
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
 def test_prefill_kernel_matches_float32_attention(heads: tuple[int, int], block_size: int) -> None:
@@ -257,7 +278,7 @@ def test_float32_prefill_kernel_matches_sdpa(heads: tuple[int, int], block_size:
     never reading an unwritten (NaN) slot, and a chunk's rows the same bits alone in its step
     as beside the others."""
     if PREFILL is None or not PREFILL.supports_prefill(torch.float32, 64):
-        pytest.skip("the float32 prefill kernel needs an AVX-512 target (and a compiler)")
+        pytest.skip("no C++ compiler: the kernel is optional")
     lens = [(0, 277), (0, 5), (48, 100), (13, 2), (0, 64), (200, 133), (0, 2), (63, 65)]
     step = _prefill_step(block_size, lens, heads, block_size, torch.float32)
     out, sdpa = step.attend(PREFILL), step.attend(None)
@@ -281,7 +302,7 @@ def _assert_each_chunk_alone_is_the_same(step: PrefillStep, together: torch.Tens
         torch.testing.assert_close(alone, together[rows], atol=0, rtol=0)
 
 
-@needs_prefill_kernel
+@pytest.mark.usefixtures("bf16_prefill_unit")
 def test_prefill_kernel_rows_do_not_depend_on_the_step() -> None:
     """A chunk's rows are the same bits alone in its step as beside other chunks (its query
     blocks' extra keys add exact zeros; threads split work, never a row's sums)."""

@@ -25,6 +25,8 @@ from test_server_support import (
     wait_until,
 )
 
+from pagekv.kernels import isa
+
 pytestmark = pytest.mark.model
 
 NUM_BLOCKS = 96
@@ -220,6 +222,9 @@ def test_metrics_parse_and_counters_move(server: ServerProcess) -> None:
         assert name in gauge
     for mode in ("recompute", "swap"):
         assert ("pagekv_preemptions_total", (("mode", mode),)) in after
+    kernels = [dict(labels) for (name, labels), v in after.items() if name == "pagekv_kernels_info"]
+    assert len(kernels) == 1 and kernels[0]["kernel_target"] == (isa.selected() or "none")
+    assert kernels[0]["cpu"] == isa.cpu_name()
 
 
 def test_kv_json_agrees_with_metrics(server: ServerProcess) -> None:

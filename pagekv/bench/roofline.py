@@ -34,7 +34,8 @@ from pagekv.models.config import ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 READ_BUFFER_BYTES = 512 << 20  # far past any last-level cache
 
-_FLOPS_PER_ITER = {"fma_f32": 16 * 16 * 2, "dot_bf16": 16 * 32 * 2}  # chains x lanes x MACs
+# chains x lanes x 2 flops an iteration: float32 FMAs on the target's vectors, bf16 pairs
+FLOPS_PER_LANE = {"fma_f32": 16 * 2, "dot_bf16": 16 * 2 * 2}
 
 
 @dataclass(frozen=True)
@@ -144,14 +145,15 @@ def measure_peaks(threads: int, repeats: int = 3) -> Peaks:
     """This machine's float32 FMA and bf16 dot-product rates in registers and memory read rate,
     best of ``repeats``, with the best kernel target here. Raises build.KernelUnavailable
     without a C++ compiler."""
-    lib = build.load("roofline", isa.best())
+    lib = build.load("roofline", isa.selected() or isa.best())
+    lanes = int(lib.f32_lanes())
 
     def rate(name: str) -> float | None:
         fn, iters = getattr(lib, name), 20_000_000
         if fn(1, threads) < 0:
             return None
         best = min(_timed(lambda: fn(iters, threads)) for _ in range(repeats))
-        return threads * iters * _FLOPS_PER_ITER[name] / best
+        return threads * iters * FLOPS_PER_LANE[name] * lanes / best
 
     buffer = np.ones(READ_BUFFER_BYTES // 4, dtype=np.float32)  # written: every page resident
     address, count = buffer.ctypes.data, buffer.size

@@ -37,17 +37,20 @@ class Target:
 
 
 _AVX2 = ("avx2", "fma", "f16c", "bmi2")
+# Instruction set from the target, scheduling tuned for the CPU that builds (kernels are built on
+# the machine that runs them): the same tuning -march=native gave.
+_TUNE = ("-mtune=native",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
 
 # Lesser to greater; each needs what the ones before it need (but generic).
 TARGETS: tuple[Target, ...] = (
     Target("generic", (), (), x86_only=False),  # the compiler's default instruction set
-    Target("avx2", ("-march=x86-64-v3",), _AVX2),
-    Target("avx512", ("-march=x86-64-v4",), _AVX512),
-    Target("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), (*_AVX512, "avx512_bf16")),
+    Target("avx2", ("-march=x86-64-v3", *_TUNE), _AVX2),
+    Target("avx512", ("-march=x86-64-v4", *_TUNE), _AVX512),
+    Target("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", *_TUNE), (*_AVX512, "avx512_bf16")),
     Target(
         "amx",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", *_TUNE),
         (*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16"),
     ),
 )

@@ -1,42 +1,37 @@
-"""A C++ kernel for bfloat16 attention in tiles (AMX, or AVX512-BF16 vectors reading the same
-layout) where many queries read the same keys:
+"""Attention kernels (``csrc/prefill.cpp``) for where many queries read the same keys:
 
 - the prefill chunks of a step: causal attention of every chunk's new tokens over its
   sequence, K/V read from the paged cache through the chunk's block table, one call per layer
-  for all chunks (and the same in float32, with AVX-512 FMAs: scores of 16 queries against 16
-  keys a register at a time, softmax and values in float32 as SDPA keeps them; 2.4-3.4x the
-  speed of SDPA's float32 prefill, a `random` float32 pass 7-9% faster);
-- decode rows that share a prefix (cascade attention): the shared blocks attended once for all
-  rows, merged with each row's own rest, which the decode kernel attends, by log-sum-exp;
-- drafted decodes (several query tokens per sequence): per sequence and kv head the history is
-  packed once and every token's query heads fill one block of 16 rows (``decode``).
+  for all chunks. In bf16 tiles where the target has them (AMX, or AVX512-BF16 vectors
+  reading the same layout); on every target in float32 vectors (``vec.h``): scores of 16
+  queries against a vector of keys a register at a time, softmax and values in float32 as SDPA
+  keeps them, bf16 K/V widened once as they are packed;
+- decode rows that share a prefix (cascade attention, tiles only): the shared blocks attended
+  once for all rows, merged with each row's own rest, which the decode kernel attends, by
+  log-sum-exp;
+- drafted decodes (several query tokens per sequence, tiles only): per sequence and kv head the
+  history is packed once and every token's query heads fill one block of 16 rows (``decode``).
 
 Why not SDPA: torch's CPU flash kernel runs prefill shapes (a few hundred tokens, 9 query heads
-over 3 kv heads, head dim 64) at 40-150 GFLOPS, a third of a prefill step's time on the
-``random`` workload; the AMX unit multiplies bf16 tiles several times faster. Per chunk (or
-prefix) and kv head the keys and values are packed once into the tiles AMX reads; then per
-block of 16 query rows: the scores against every key a row may see (one row of tiles), softmax
-in float32 (the decode kernel's exp), the probabilities rounded to bf16 as SDPA does, times the
-values, and a division by the row's sum at the end. Nothing is masked by a tensor: query j of a
-chunk of L new tokens over S positions sees keys [0, S - L + j].
+over 3 kv heads, head dim 64) far below the machine's FMA rate. Per chunk (or prefix) and kv
+head the keys and values are packed once; then per block of 16 query rows: the scores against
+every key a row may see, softmax in float32 (the decode kernel's exp), in tiles the
+probabilities rounded to bf16 as SDPA does, times the values, and a division by the row's sum
+at the end. Nothing is masked by a tensor: query j of a chunk of L new tokens over S positions
+sees keys [0, S - L + j].
 
-Two units multiply the packed operands, chosen once per process: AMX tiles where the CPU has
-them (Intel since Sapphire Rapids) and Linux grants them, else AVX512-BF16 dot products
-(``vdpbf16ps``, e.g. AMD Zen 4/5) doing the same tile products a row of sums at a time, the
-packed key or value row in a register and each query's pair of numbers broadcast. Only the
-order of the float32 sums differs. On a Zen CPU without AMX the vectors made ``prefix`` bf16
-1.06x and ``random`` 1.10x faster end to end than SDPA and the decode kernel alone (measured).
+Two units multiply the tiles, chosen once per process: AMX where the CPU has it and Linux grants
+it, else AVX512-BF16 dot products (``vdpbf16ps``) doing the same tile products a row of sums at
+a time. Only the order of the float32 sums differs.
 
 A prefill row's numbers depend only on its own chunk (its query block's extra keys get
 probability 0, which adds exact zeros), so they are the same whatever else the step holds;
-they differ from SDPA's within bf16 rounding (another order of sums). A cascade row's depend on
-how much of its prefix the batch shares (the split point), within bf16 rounding. Float32
-prefill rows too depend only on their own chunk, within float32 rounding of SDPA's.
+they differ from SDPA's within rounding (another order of sums). A cascade row's depend on how
+much of its prefix the batch shares (the split point), within bf16 rounding.
 
-``load()`` returns None (callers keep SDPA) without a compiler or with
-``PAGEKV_PREFILL_KERNEL=0``; ``supports`` / ``supports_prefill`` say what this CPU takes (the
-bf16 paths need AVX512-BF16, the float32 prefill AVX-512). Must not import ``pagekv.core``,
-``models`` or ``server``.
+``load()`` returns None (callers keep SDPA) without a compiler, with
+``PAGEKV_PREFILL_KERNEL=0`` or ``PAGEKV_CPU_ISA=none``; ``supports`` / ``supports_prefill`` say
+what the target takes. Must not import ``pagekv.core``, ``models`` or ``server``.
 """
 
 from __future__ import annotations
@@ -67,14 +62,14 @@ class PrefillKernel:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._backend = library.prefill_kernel_backend
-        self.available = self.backend is not None  # AVX512-BF16 here, AMX or not
-        self._prefill = {  # dtype -> its prefill entry
-            torch.bfloat16: library.prefill_attention_bf16_d64,
+        self.available = self.backend is not None  # bf16 tiles: AVX512-BF16, AMX or not
+        self._prefill = {  # dtype -> its prefill entry: bf16 in tiles, else float32 vectors
+            torch.bfloat16: library.prefill_attention_bf16_d64
+            if self.available
+            else library.prefill_attention_bf16_f32_d64,
             torch.float32: library.prefill_attention_f32_d64,
         }
-        self._prefill_dtypes = {torch.float32} if library.prefill_f32_available() else set()
-        if self.available:
-            self._prefill_dtypes.add(torch.bfloat16)
+        self._prefill_dtypes = set(self._prefill)
         self._shared = library.shared_prefix_attention_bf16_d64
         self._decode = library.decode_attention_bf16_d64
 
@@ -94,8 +89,8 @@ class PrefillKernel:
         return self.available and dtype == torch.bfloat16 and head_dim == 64
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether ``__call__`` (prefill chunks) takes this: bf16 on the tile units, float32
-        on any AVX-512 CPU."""
+        """Whether ``__call__`` (prefill chunks) takes this: bf16 and float32 on every target
+        (bf16 in tiles where the target has them, else widened to float32)."""
         return dtype in self._prefill_dtypes and head_dim == 64
 
     def __call__(

@@ -10,8 +10,8 @@ Layout (arrows point down; nothing here imports runner/, core/ or server/):
       tokenizer     Tokenizer (encode/decode/chat template); gguf_tokenizer builds GGUF ones
         chat_template sandboxed Jinja rendering + message validation
       llama         LlamaForCausalLM: forward(input_ids, positions, attention) -> hidden
-        layer_ops     LayerOps (norms, RoPE, SiLU*up): the torch reference, TorchOps
-          fused_ops     the same ops in C++ (pagekv.native builds it); the runner opts in
+        layer_ops     LayerOps (norms, RoPE, SiLU*up): the torch reference, TorchOps; the same
+                      ops in C++ are pagekv.kernels.fused_ops, which the runner opts in to
         rope          cos/sin table, rope scaling
         config        ModelConfig (frozen, validated)
 """

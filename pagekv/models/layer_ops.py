@@ -2,12 +2,12 @@
 (with the residual add fused in), RoPE on the fused qkv output, SiLU-and-multiply.
 
 Owns their contract (``LayerOps``) and the reference implementation in torch ops (``TorchOps``),
-which defines the numbers: the C versions in ``fused_ops.py`` agree with it exactly where the
-math is the same (residual add, RoPE) and within a bfloat16 ulp elsewhere (a float32 sum in
-another order, another exp; the tiled bf16 matmul). Why swappable: at decode sizes each torch
-op costs mostly its dispatch, and a layer spends ~40 of them here, and oneDNN streams a decode
-step's weights at half the memory's speed; the runner's fast path swaps in the C ops, the model
-itself never chooses.
+which defines the numbers: the C versions in ``pagekv/kernels/fused_ops.py`` agree with it
+exactly where the math is the same (residual add, RoPE) and within bfloat16 rounding elsewhere
+(a float32 sum in another order, another exp; the packed matmuls). Why swappable: at decode
+sizes each torch op costs mostly its dispatch, and a layer spends ~40 of them here, and oneDNN
+streams a decode step's weights at half the memory's speed; the runner's fast path swaps in the
+C ops, the model itself never chooses.
 
 A layer calls two composites, the halves around attention (``attention_inputs``: norm, qkv,
 RoPE; ``mlp_block``: output projection, norm, MLP), which the functions of the same names here

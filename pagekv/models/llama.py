@@ -10,13 +10,14 @@ Load-time fusion: q/k/v projections are stacked into one `qkv_proj` weight and g
 fills the fused slices.
 
 Prepacking (`pack_weights`): every matmul weight is reordered once at load into the layout of
-the ops' own matmuls (``LayerOps.pack``): oneDNN's blocked layout with the torch ops (the
-decode-sized matmuls 1.4-2x faster, bit-identical in bf16); with the fused C ops the tiles of
-their bf16 kernels or the stripes of their float32 kernel. The plain parameters stay: loading,
-the fingerprint and tests read them, and bf16 prefill-sized matmuls use them.
+the ops' own matmuls (``LayerOps.pack``): oneDNN's blocked layout with the torch ops (faster
+decode-sized matmuls, bit-identical in bf16); with the fused C ops the tiles of their bf16
+kernels or their stripes. The plain parameters stay: loading, the fingerprint and tests read
+them, and matmuls the packed kernels decline use them.
 
 Elementwise ops (norms, RoPE, SiLU*up) go through a ``LayerOps`` object (layer_ops.py): torch ops
-by default, the C ops of fused_ops.py when the caller sets them (``use_layer_ops``). The residual
+by default, the C ops of pagekv/kernels/fused_ops.py when the caller sets them
+(``use_layer_ops``). The residual
 stream is carried between layers apart from each layer's output, as vLLM does, so that every
 residual add meets the norm after it in one ``add_rms_norm``:
 

@@ -55,11 +55,16 @@ int decode_attention_bf16_d64(const void* q, const void* kc, const void* vc, voi
 // The unit multiplying tiles (2 AMX, 1 AVX512-BF16 vectors, 0 none); `request` 1 or 2
 // switches to it where it can, anything else only asks.
 int prefill_kernel_backend(int request);
+// Prefill chunks with float32 arithmetic on every target: float32 inputs, or bfloat16 ones
+// widened as they are packed (where the target has no bf16 tiles).
 int prefill_attention_f32_d64(const void* q, const void* kc, const void* vc, void* out,
                               const int64_t* chunk_info, int num_chunks, const int32_t* tables,
                               int num_heads, int kv_heads, int block_size, float scale,
                               int threads);
-int prefill_f32_available(void);
+int prefill_attention_bf16_f32_d64(const void* q, const void* kc, const void* vc, void* out,
+                                   const int64_t* chunk_info, int num_chunks,
+                                   const int32_t* tables, int num_heads, int kv_heads,
+                                   int block_size, float scale, int threads);
 
 // fused_ops.cpp: the layer ops, float32 (_f32) and bfloat16 (_bf16).
 void add_rms_norm_f32(const void* x, void* residual, const void* w, void* out, long rows, long n,
@@ -99,6 +104,7 @@ int mlp_block_bf16(const void* attn, void* residual, const void* t_o, const void
                    long hidden, long q_size, long inter, int unit, int threads);
 
 // roofline.cpp: this machine's peaks (-1 where the target lacks the instructions).
+int f32_lanes(void);
 double fma_f32(long iters, int threads);
 double read_f32(const float* x, long n, int threads);
 double dot_bf16(long iters, int threads);

@@ -7,34 +7,30 @@
 #include "attention_common.h"
 #include "bf16.h"
 #include "kernels.h"
-#if defined(__AVX512F__)
-// One query row's softmax numerators, for both prefill entries: exp(scale * x[k] - top) for
-// the `seen` scores of x, zeros from there to `end` (a multiple of 16), handed to store(k, e)
-// 16 at a time; *sum gets their float32 total. Returns top, the row's largest scaled score.
+// One query row's softmax numerators, for both prefill kernels: exp(scale * x[k] - top) for
+// the `seen` scores of x, zeros from there to `end` (a multiple of VF::W), handed to
+// store(k, e) a vector at a time; *sum gets their float32 total. Returns top, the row's
+// largest scaled score.
 template <typename Store>
 static inline float exp_row(const float* x, int seen, int end, float scale, Store store,
                             float* sum) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int k = 0; k < seen; k += 16) {
-        const __mmask16 m = first_lanes(seen - k);
-        vmax = _mm512_mask_max_ps(vmax, m, vmax,
-                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale));
-    }
-    const float top = _mm512_reduce_max_ps(vmax);
-    const __m512 vtop = _mm512_set1_ps(top);
-    __m512 vsum = _mm512_setzero_ps();
-    for (int k = 0; k < end; k += 16) {
-        const __mmask16 m = k < seen ? first_lanes(seen - k) : __mmask16(0);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_sub_ps(
-            _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vscale), vtop)));
-        vsum = _mm512_add_ps(vsum, e);
+    constexpr int W = VF::W;
+    const VF vscale = VF::set1(scale);
+    VF vmax = VF::set1(-INFINITY);
+    for (int k = 0; k < seen; k += W)
+        vmax = max(vmax, VF::load_first(x + k, seen - k, -INFINITY) * vscale);
+    const float top = vmax.reduce_max();
+    const VF vtop = VF::set1(top);
+    VF vsum = VF::zero();
+    for (int k = 0; k < end; k += W) {
+        const VF e =
+            exp_nonpositive(VF::load_first(x + k, seen - k) * vscale - vtop).keep_first(seen - k);
+        vsum = vsum + e;
         store(k, e);
     }
-    *sum = _mm512_reduce_add_ps(vsum);
+    *sum = vsum.reduce_add();
     return top;
 }
-#endif
 
 // A prefill chunk as the caller lays it out (PrefillBatch.chunks).
 struct Chunk { int64_t q_start, num_tokens, seq_len, table_offset; };
@@ -317,9 +313,7 @@ static void attend_rows(const uint16_t* qbuf, int rows, const int* visible, cons
     const int pairs = (keys + 31) / 32;  // 32-key blocks of P.V
     for (int r = 0; r < rows; ++r) {  // probabilities rounded to bf16, as SDPA rounds them
         uint16_t* p = probs + long(r) * width;
-        const auto store = [p](int k, __m512 e) {
-            _mm256_storeu_si256((__m256i*)(p + k), round_bf16x16(e));
-        };
+        const auto store = [p](int k, VF e) { e.store(p + k); };  // rounded to bf16
         tops[r] = exp_row(scores + long(r) * width, visible[r], pairs * 32, scale, store, sums + r);
     }
     if (tiles_on())
@@ -545,112 +539,115 @@ extern "C" int decode_attention_bf16_d64(const void*, const void*, const void*, 
 }
 #endif
 
-// float32 prefill attention, the same work as prefill_attention_bf16_d64 with float32 FMAs
-// (AVX-512F): per (chunk, kv head) the keys are packed once transposed in blocks of 16
-// ([S/16][D][16]: dim d of 16 keys in one register) and the values copied contiguous ([S][D]);
-// per (chunk, query head, block of 16 queries) the 16 rows' scores take one FMA per key block
-// per dim with the query's number broadcast (16 rows of sums in registers), the softmax and
-// the sum of values stay in float32 throughout, as torch's SDPA keeps them. Only the order of
-// the sums differs from SDPA's.
-#if defined(__AVX512F__)
+// Float32 prefill attention on the vector layer (every target): the same work as the tile
+// kernel with float32 FMAs. Per (chunk, kv head) the keys are packed once transposed in blocks
+// of KB = VF::W keys ([S/KB][D][KB]: dim d of KB keys in one vector) and the values copied
+// contiguous ([S][D]), both as float32 (bfloat16 K/V are widened here, once); per (chunk, query
+// head, block of 16 queries) the rows' scores take one FMA per key block per dim with the
+// query's number broadcast (QR rows of sums in registers at a time), the softmax and the sum of
+// values stay in float32 throughout, as torch's SDPA keeps them; outputs are rounded to the
+// inputs' type once. Only the order of the sums differs from SDPA's.
 namespace f32 {
 static const int D = 64;
+static const int KB = VF::W;                        // keys per packed block
+static const int QR = VF::REGS >= 32 ? 16 : 8;      // query rows of score sums in registers
+static const int PV_COLS = VF::REGS >= 32 ? D / VF::W : 2;  // P.V: output vectors per pass
 
-static void pack_kv(const float* kc, const float* vc, const int32_t* table, int seq_len,
-                    int padded, int block_size, long token_stride, int h, float* kt, float* vp) {
+template <typename T>
+static void pack_kv(const T* kc, const T* vc, const int32_t* table, int seq_len, int padded,
+                    int block_size, long token_stride, int h, float* kt, float* vp) {
     for (int t = 0; t < padded; ++t) {
-        float* tile = kt + long(t / 16) * 16 * D + t % 16;  // column t % 16 of its block
+        float* tile = kt + long(t / KB) * KB * D + t % KB;  // column t % KB of its block
+        float* v = vp + long(t) * D;
         if (t < seq_len) {
             const long slot = long(table[t / block_size]) * block_size + t % block_size;
-            const float* k = kc + slot * token_stride + long(h) * D;
-            for (int d = 0; d < D; ++d) tile[d * 16] = k[d];
-            std::memcpy(vp + long(t) * D, vc + slot * token_stride + long(h) * D, D * 4);
+            const T* k = kc + slot * token_stride + long(h) * D;
+            const T* vs = vc + slot * token_stride + long(h) * D;
+            for (int d = 0; d < D; ++d) tile[d * KB] = load(k[d]);
+            for (int d = 0; d < D; ++d) v[d] = load(vs[d]);
         } else {  // past the sequence: zeros (never weighted, but read by the last block)
-            for (int d = 0; d < D; ++d) tile[d * 16] = 0.f;
-            std::memset(vp + long(t) * D, 0, D * 4);
+            for (int d = 0; d < D; ++d) tile[d * KB] = 0.f;
+            std::memset(v, 0, D * 4);
         }
     }
 }
 
 // Up to 16 query rows of one head (at q, row_stride apart): row r sees keys
 // [0, first_visible + r). Writes their outputs. `scores`: 16 x width floats of scratch.
-static void attend_block(const float* q, float* out, long row_stride, int rows,
-                         int first_visible, const float* kt, const float* vp, float scale,
-                         float* scores, int width) {
+template <typename T>
+static void attend_block(const T* q, T* out, long row_stride, int rows, int first_visible,
+                         const float* kt, const float* vp, float scale, float* scores,
+                         int width) {
     alignas(64) float qbuf[16][D];
     for (int r = 0; r < 16; ++r)
-        if (r < rows) std::memcpy(qbuf[r], q + r * row_stride, D * 4);
-        else std::memset(qbuf[r], 0, D * 4);
+        for (int d = 0; d < D; ++d) qbuf[r][d] = r < rows ? load(q[r * row_stride + d]) : 0.f;
     const int keys = first_visible + rows - 1;  // the most any row sees
-    const int blocks = (keys + 15) / 16;
+    const int blocks = (keys + KB - 1) / KB;
     for (int kb = 0; kb < blocks; ++kb) {
-        const float* t = kt + long(kb) * 16 * D;
-        __m512 s[16];
-        for (int m = 0; m < 16; ++m) s[m] = _mm512_setzero_ps();
-        for (int d = 0; d < D; ++d) {
-            const __m512 k = _mm512_loadu_ps(t + d * 16);
-            for (int m = 0; m < 16; ++m)
-                s[m] = _mm512_fmadd_ps(_mm512_set1_ps(qbuf[m][d]), k, s[m]);
+        const float* t = kt + long(kb) * KB * D;
+        for (int m0 = 0; m0 < rows; m0 += QR) {
+            VF s[QR];
+            for (int m = 0; m < QR; ++m) s[m] = VF::zero();
+            for (int d = 0; d < D; ++d) {
+                const VF k = VF::load(t + d * KB);
+                for (int m = 0; m < QR; ++m) s[m] = fma(VF::set1(qbuf[m0 + m][d]), k, s[m]);
+            }
+            for (int m = 0; m < QR && m0 + m < rows; ++m)
+                s[m].store(scores + long(m0 + m) * width + kb * KB);
         }
-        for (int m = 0; m < rows; ++m) _mm512_storeu_ps(scores + long(m) * width + kb * 16, s[m]);
     }
     float sums[16];
     for (int r = 0; r < rows; ++r) {  // in place: the numerators over the scores, in float32
         float* x = scores + long(r) * width;
-        const auto store = [x](int k, __m512 e) { _mm512_storeu_ps(x + k, e); };
-        exp_row(x, first_visible + r, blocks * 16, scale, store, sums + r);
+        const auto store = [x](int k, VF e) { e.store(x + k); };
+        exp_row(x, first_visible + r, blocks * KB, scale, store, sums + r);
     }
-    for (int m0 = 0; m0 < rows; m0 += 4) {  // P.V, four rows at a time, 64 columns each
+    constexpr int C = PV_COLS;
+    for (int m0 = 0; m0 < rows; m0 += 4) {  // P.V, four rows at a time, C vectors a pass
         const int count = rows - m0 < 4 ? rows - m0 : 4;
         const int reach = first_visible + m0 + count - 1;  // keys any of these rows sees
-        __m512 a[4][4];
-        for (int m = 0; m < 4; ++m)
-            for (int c = 0; c < 4; ++c) a[m][c] = _mm512_setzero_ps();
-        for (int t = 0; t < reach; ++t) {
-            const float* v = vp + long(t) * D;
-            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16);
-            const __m512 v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
-            for (int m = 0; m < count; ++m) {
-                const __m512 p = _mm512_set1_ps(scores[long(m0 + m) * width + t]);
-                a[m][0] = _mm512_fmadd_ps(p, v0, a[m][0]);
-                a[m][1] = _mm512_fmadd_ps(p, v1, a[m][1]);
-                a[m][2] = _mm512_fmadd_ps(p, v2, a[m][2]);
-                a[m][3] = _mm512_fmadd_ps(p, v3, a[m][3]);
+        for (int c0 = 0; c0 < D / VF::W; c0 += C) {
+            VF a[4][C];
+            for (int m = 0; m < 4; ++m)
+                for (int c = 0; c < C; ++c) a[m][c] = VF::zero();
+            for (int t = 0; t < reach; ++t) {
+                const float* v = vp + long(t) * D + (c0 * VF::W);
+                VF vv[C];
+                for (int c = 0; c < C; ++c) vv[c] = VF::load(v + c * VF::W);
+                for (int m = 0; m < count; ++m) {
+                    const VF p = VF::set1(scores[long(m0 + m) * width + t]);
+                    for (int c = 0; c < C; ++c) a[m][c] = fma(p, vv[c], a[m][c]);
+                }
             }
-        }
-        for (int m = 0; m < count; ++m) {
-            const __m512 inv = _mm512_set1_ps(1.f / sums[m0 + m]);
-            float* o = out + (m0 + m) * row_stride;
-            for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(a[m][c], inv));
+            for (int m = 0; m < count; ++m) {
+                const VF inv = VF::set1(1.f / sums[m0 + m]);
+                T* o = out + (m0 + m) * row_stride + c0 * VF::W;
+                for (int c = 0; c < C; ++c) (a[m][c] * inv).store(o + c * VF::W);
+            }
         }
     }
 }
 
 static thread_local std::vector<float> packed;  // the caller's: K/V of every (chunk, kv head)
-}  // namespace f32
 
-extern "C" int prefill_attention_f32_d64(const void* q, const void* kc, const void* vc,
-                                         void* out, const int64_t* chunk_info, int num_chunks,
-                                         const int32_t* tables, int num_heads, int kv_heads,
-                                         int block_size, float scale, int threads) {
-    using f32::D;
+template <typename T>
+static int prefill(const T* qs, const T* kc, const T* vc, T* os, const Chunk* chunks,
+                   int num_chunks, const int32_t* tables, int num_heads, int kv_heads,
+                   int block_size, float scale, int threads) {
     if (num_heads % kv_heads != 0) return -1;
-    const Chunk* chunks = (const Chunk*)chunk_info;
     const long token_stride = long(kv_heads) * D, row_stride = long(num_heads) * D;
     const PrefillWork work(chunks, num_chunks, num_heads, kv_heads, 16, D);
-    if (long(f32::packed.size()) < work.packed_size()) f32::packed.resize(work.packed_size());
-    float* tiles = f32::packed.data();
-    const float* qs = (const float*)q;
-    float* os = (float*)out;
+    if (long(packed.size()) < work.packed_size()) packed.resize(work.packed_size());
+    float* tiles = packed.data();
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(dynamic)
         for (long task = 0; task < long(num_chunks) * kv_heads; ++task) {
             const int c = int(task / kv_heads), h = int(task % kv_heads);
             float* kt = tiles + work.pack_at(c, h);
-            f32::pack_kv((const float*)kc, (const float*)vc, tables + chunks[c].table_offset,
-                         int(chunks[c].seq_len), work.padded(c), block_size, token_stride, h,
-                         kt, kt + long(work.padded(c)) * D);
+            pack_kv(kc, vc, tables + chunks[c].table_offset, int(chunks[c].seq_len),
+                    work.padded(c), block_size, token_stride, h, kt,
+                    kt + long(work.padded(c)) * D);
         }
         std::vector<float> scores(16L * work.width);
         #pragma omp for schedule(dynamic)
@@ -658,19 +655,29 @@ extern "C" int prefill_attention_f32_d64(const void* q, const void* kc, const vo
             const PrefillWork::Item it = work.item(i);
             const float* kt = tiles + it.pack;
             const long at = it.first_row * row_stride + it.head * D;
-            f32::attend_block(qs + at, os + at, row_stride, it.rows, it.first_visible, kt,
-                              kt + long(work.padded(it.chunk)) * D, scale, scores.data(),
-                              work.width);
+            attend_block(qs + at, os + at, row_stride, it.rows, it.first_visible, kt,
+                         kt + long(work.padded(it.chunk)) * D, scale, scores.data(),
+                         work.width);
         }
     }
     return 0;
 }
-extern "C" int prefill_f32_available() { return 1; }
-#else
-extern "C" int prefill_attention_f32_d64(const void*, const void*, const void*, void*,
-                                         const int64_t*, int, const int32_t*, int, int, int,
-                                         float, int) {
-    return -1;
+}  // namespace f32
+
+int prefill_attention_f32_d64(const void* q, const void* kc, const void* vc, void* out,
+                              const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                              int num_heads, int kv_heads, int block_size, float scale,
+                              int threads) {
+    return f32::prefill((const float*)q, (const float*)kc, (const float*)vc, (float*)out,
+                        (const Chunk*)chunk_info, num_chunks, tables, num_heads, kv_heads,
+                        block_size, scale, threads);
 }
-extern "C" int prefill_f32_available() { return 0; }
-#endif
+
+int prefill_attention_bf16_f32_d64(const void* q, const void* kc, const void* vc, void* out,
+                                   const int64_t* chunk_info, int num_chunks,
+                                   const int32_t* tables, int num_heads, int kv_heads,
+                                   int block_size, float scale, int threads) {
+    return f32::prefill((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc,
+                        (uint16_t*)out, (const Chunk*)chunk_info, num_chunks, tables, num_heads,
+                        kv_heads, block_size, scale, threads);
+}

@@ -38,13 +38,16 @@ struct VF {
         return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
     }
     // lanes [0, min(n, W)) from p, the rest `fill`
-    static __mmask16 first_mask(int n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+    static __mmask16 first_mask(int n) {
+        return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+    }
     static VF load_first(const float* p, int n, float fill = 0.f) {
         return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), first_mask(n), p)};
     }
     void store(float* p) const { _mm512_storeu_ps(p, v); }
     void store_first(float* p, int n) const { _mm512_mask_storeu_ps(p, first_mask(n), v); }
     bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+    VF keep_first(int n) const { return {_mm512_maskz_mov_ps(first_mask(n), v)}; }  // rest 0
     void store(uint16_t* p) const {  // rounded to bfloat16 as f32_to_bf16 rounds each lane
         const __m512i u = _mm512_castps_si512(v);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -92,6 +95,7 @@ struct VF {
     void store(float* p) const { _mm256_storeu_ps(p, v); }
     void store_first(float* p, int n) const { _mm256_maskstore_ps(p, first_mask(n), v); }
     bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+    VF keep_first(int n) const { return {_mm256_and_ps(v, _mm256_castsi256_ps(first_mask(n)))}; }
     void store(uint16_t* p) const {
         const __m256i u = _mm256_castps_si256(v);
         const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -150,6 +154,11 @@ struct VF {
         for (int i = 0; i < n && i < W; ++i) p[i] = v[i];
     }
     bool any_nan() const { return v[0] != v[0] || v[1] != v[1] || v[2] != v[2] || v[3] != v[3]; }
+    VF keep_first(int n) const {
+        VF r = zero();
+        for (int i = 0; i < n && i < W; ++i) r.v[i] = v[i];
+        return r;
+    }
     void store(uint16_t* p) const {
         for (int i = 0; i < W; ++i) p[i] = f32_to_bf16(v[i]);
     }
