@@ -15,7 +15,7 @@ static inline float load(uint16_t x) { return bf16_to_f32(x); }
 
 // exp(x) for x <= 0 on 16 float32 lanes and a mask of the first n lanes.
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 // The decode kernel's exp_nonpositive on 16 lanes, the same operations in the same order. (GCC
 // leaves a scalar loop of it unvectorized: it calls floorf per element, which made the softmax a
 // third of the decode kernel's time.)

@@ -4,7 +4,7 @@
 #pragma once
 #if defined(__AVX512F__)
 #include <cstdint>
-#include <immintrin.h>
+#include "simd.h"
 
 // 16 float32 -> bfloat16, rounded to nearest even as torch does; NaN stays NaN.
 static inline __m256i round_bf16x16(__m512 f) {
@@ -14,7 +14,7 @@ static inline __m256i round_bf16x16(__m512 f) {
         _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
                               _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(r);
+    return _mm512_maskz_cvtepi32_epi16(__mmask16(0xFFFF), r);  // maskz: no undefined source
 }
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
@@ -42,7 +42,7 @@ static inline void configure_tiles() {
 #if defined(__AVX512F__)
 // What multiplies packed bf16 tiles here (the codes of TILE_UNITS): 2, AMX (built for it and
 // granted by Linux); 1, AVX512-BF16 vector dot products reading the same tiles.
-static int best_tile_unit() {
+static inline int best_tile_unit() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     return amx_permitted() ? 2 : 1;
 #else

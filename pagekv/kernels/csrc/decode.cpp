@@ -13,7 +13,7 @@ static const long VALUES_IN_L2_BYTES = 1L << 20;  // about half of a core's L2 o
 // where available (the K/V row is converted to float32 in registers once, and the compiler's
 // auto-vectorizer misses the bf16 widening); plain loops elsewhere.
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 static inline __m512 load16(const uint16_t* x) {
     const __m256i raw = _mm256_loadu_si256((const __m256i*)x);

@@ -4,6 +4,7 @@
 // even as torch. Built without FMA contraction: g++ contracts a * b - c into one rounding even
 // under -std=c++17, and torch rounds the product first.
 #include "kernels.h"
+#include "simd.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -333,6 +334,7 @@ extern "C" int tiles_linear_unit() { return 0; }
 // split evenly. bfloat16 activations are widened once per call into float32 scratch, and
 // outputs rounded to the activations' type once, at the end of each chain.
 #include <omp.h>
+#include <type_traits>
 #include <vector>
 #include "vec.h"
 static const int STRIPE = 2 * VF::W;
@@ -386,6 +388,15 @@ static const float* as_f32(const uint16_t* x, long n, int threads) {
     return w;
 }
 
+// A bfloat16 stripe widened once into `wide` (this thread's, in L2) when several passes read
+// it: each pass then multiplies float32 without widening again (the same numbers, so the same
+// sums); a single pass (a few rows, memory-bound) reads the bf16 stripe itself, half the bytes.
+static const float* widened_stripe(const uint16_t* stripe, long K, std::vector<float>& wide) {
+    if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
+    for (long i = 0; i < K * STRIPE; i += VF::W) VF::load(stripe + i).store(wide.data() + i);
+    return wide.data();
+}
+
 template <typename XT, typename WT>
 static int stripes_linear(const XT* x, const WT* packed, XT* out, long M, long K, long N,
                           int threads) {
@@ -394,18 +405,30 @@ static int stripes_linear(const XT* x, const WT* packed, XT* out, long M, long K
     const long stripes = N / STRIPE;
     #pragma omp parallel num_threads(threads)
     {
+        static thread_local std::vector<float> wide;
         const long t = omp_get_thread_num(), nt = omp_get_num_threads();
         const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
         for (long first = 0; first < M; first += STRIPE_ROW_BLOCK) {
             const long block = M - first < STRIPE_ROW_BLOCK ? M - first : STRIPE_ROW_BLOCK;
             const long passes = (block + STRIPE_ROWS - 1) / STRIPE_ROWS;
-            for (long s = s0; s < s1; ++s)
-                for (long pass = 0; pass < passes; ++pass) {  // rows split evenly over passes
-                    const long m0 = first + block * pass / passes;
-                    const long rows = first + block * (pass + 1) / passes - m0;
-                    stripe_rows<STRIPE_ROWS>(xs + m0 * K, rows, packed + s * K * STRIPE,
-                                             out + m0 * N + s * STRIPE, K, N);
+            for (long s = s0; s < s1; ++s) {
+                const WT* stripe = packed + s * K * STRIPE;
+                const auto run = [&](const auto* b) {
+                    for (long pass = 0; pass < passes; ++pass) {  // rows split evenly
+                        const long m0 = first + block * pass / passes;
+                        const long rows = first + block * (pass + 1) / passes - m0;
+                        stripe_rows<STRIPE_ROWS>(xs + m0 * K, rows, b,
+                                                 out + m0 * N + s * STRIPE, K, N);
+                    }
+                };
+                if constexpr (std::is_same_v<WT, uint16_t>) {
+                    if (passes > 1) {
+                        run(widened_stripe(stripe, K, wide));
+                        continue;
+                    }
                 }
+                run(stripe);
+            }
         }
     }
     return 0;

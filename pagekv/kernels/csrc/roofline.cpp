@@ -37,7 +37,7 @@ double read_f32(const float* x, long n, int threads) {
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "simd.h"
 double dot_bf16(long iters, int threads) {
     double total = 0;
     #pragma omp parallel num_threads(threads) reduction(+ : total)

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 #endif
 
 // bfloat16 <-> float32 for one number: widening is exact (the high 16 bits); rounding is to
@@ -48,14 +48,14 @@ struct VF {
     void store_first(float* p, int n) const { _mm512_mask_storeu_ps(p, first_mask(n), v); }
     bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
     VF keep_first(int n) const { return {_mm512_maskz_mov_ps(first_mask(n), v)}; }  // rest 0
-    void store(uint16_t* p) const {  // rounded to bfloat16 as f32_to_bf16 rounds each lane
+    __attribute__((always_inline)) void store(uint16_t* p) const {  // rounded to bfloat16 as f32_to_bf16 rounds each lane
         const __m512i u = _mm512_castps_si512(v);
         const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
         __m512i r = _mm512_srli_epi32(
             _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
         r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
                                   _mm512_set1_epi32(0x7FC0));
-        _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+        _mm256_storeu_si256((__m256i*)p, _mm512_maskz_cvtepi32_epi16(__mmask16(0xFFFF), r));
     }
     float reduce_add() const { return _mm512_reduce_add_ps(v); }
     float reduce_max() const { return _mm512_reduce_max_ps(v); }
@@ -96,7 +96,7 @@ struct VF {
     void store_first(float* p, int n) const { _mm256_maskstore_ps(p, first_mask(n), v); }
     bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
     VF keep_first(int n) const { return {_mm256_and_ps(v, _mm256_castsi256_ps(first_mask(n)))}; }
-    void store(uint16_t* p) const {
+    __attribute__((always_inline)) void store(uint16_t* p) const {
         const __m256i u = _mm256_castps_si256(v);
         const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
         __m256i r = _mm256_srli_epi32(
@@ -159,7 +159,7 @@ struct VF {
         for (int i = 0; i < n && i < W; ++i) r.v[i] = v[i];
         return r;
     }
-    void store(uint16_t* p) const {
+    __attribute__((always_inline)) void store(uint16_t* p) const {
         for (int i = 0; i < W; ++i) p[i] = f32_to_bf16(v[i]);
     }
     float reduce_add() const { return (v[0] + v[2]) + (v[1] + v[3]); }
