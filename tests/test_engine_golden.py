@@ -167,19 +167,25 @@ def test_greedy_equals_transformers(
     check_no_leak(llm.engine.kv)
 
 
-def test_greedy_equals_transformers_on_every_kernel_target(
-    loaded: LoadedModel, prompt_ids: list[list[int]], reference: list[Reference], kernel_target: str
+def _assert_greedy_matches(
+    llm: LLM, prompt_ids: list[list[int]], reference: list[Reference]
 ) -> None:
-    """The same rule on each kernel target this CPU runs (its own matmul, attention and layer
-    kernels), and with the C kernels off."""
-    llm = make_llm(loaded, block_size=16, num_kv_blocks=1024)
-    assert llm.engine.runner.kernels["kernel_target"] == kernel_target
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY, use_tqdm=False)
     for out, ref in zip(outs, reference, strict=True):
         completion = out.outputs[0]
         assert completion.logprobs is not None
         ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
         assert_matches_reference(completion.token_ids, ref, ours_lp)
+
+
+def test_greedy_equals_transformers_on_every_kernel_target(
+    loaded: LoadedModel, prompt_ids: list[list[int]], reference: list[Reference], kernel_target: str
+) -> None:
+    """The same rule on each kernel target this CPU runs (its own matmul, attention and layer
+    kernels)."""
+    llm = make_llm(loaded, block_size=16, num_kv_blocks=1024)
+    assert llm.engine.runner.kernels["kernel_target"] == kernel_target
+    _assert_greedy_matches(llm, prompt_ids, reference)
     check_no_leak(llm.engine.kv)
 
 
@@ -192,12 +198,7 @@ def test_greedy_equals_transformers_with_the_c_kernels_off(
     monkeypatch.setenv("PAGEKV_CPU_ISA", "none")
     llm = make_llm(loaded, block_size=16, num_kv_blocks=1024)
     assert llm.engine.runner.kernels["decode_attention"] == "torch"
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], GREEDY, use_tqdm=False)
-    for out, ref in zip(outs, reference, strict=True):
-        completion = out.outputs[0]
-        assert completion.logprobs is not None
-        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
-        assert_matches_reference(completion.token_ids, ref, ours_lp)
+    _assert_greedy_matches(llm, prompt_ids, reference)
 
 
 def test_cold_and_warm_outputs_identical(loaded: LoadedModel, prompt_ids: list[list[int]]) -> None:

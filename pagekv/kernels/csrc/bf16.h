@@ -1,21 +1,13 @@
 // bfloat16 helpers for the tile kernels (fused_ops.cpp matmuls, prefill.cpp attention):
-// float32 -> bfloat16 rounding for any AVX-512 target; the tile permission and one tile
-// configuration where the target has AMX; which unit multiplies tiles.
+// float32 -> bfloat16 rounding for any AVX-512 target (the vector layer's); the tile permission
+// and one tile configuration where the target has AMX; which unit multiplies tiles.
 #pragma once
-#if defined(__AVX512F__)
 #include <cstdint>
 #include "simd.h"
-
+#include "vec.h"
+#if defined(__AVX512F__)
 // 16 float32 -> bfloat16, rounded to nearest even as torch does; NaN stays NaN.
-static inline __m256i round_bf16x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-    return _mm512_maskz_cvtepi32_epi16(__mmask16(0xFFFF), r);  // maskz: no undefined source
-}
+static inline void store_bf16x16(uint16_t* p, __m512 f) { VF{f}.store(p); }
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <sys/syscall.h>

@@ -199,8 +199,8 @@ static inline void amx_block(const uint16_t* a0, const uint16_t* a1, const uint1
     for (int h = 0; h < (TWO ? 2 : 1); ++h)
         for (long r = 0; r < (h ? rows1 : rows0); ++r) {
             uint16_t* o = out + (h * 16 + r) * N;
-            _mm256_storeu_si256((__m256i*)o, round_bf16x16(_mm512_load_ps(c[2 * h][r])));
-            _mm256_storeu_si256((__m256i*)(o + 16), round_bf16x16(_mm512_load_ps(c[2 * h + 1][r])));
+            store_bf16x16(o, _mm512_load_ps(c[2 * h][r]));
+            store_bf16x16(o + 16, _mm512_load_ps(c[2 * h + 1][r]));
         }
 }
 
@@ -262,8 +262,8 @@ static inline void vector_block(const uint16_t* x, const uint16_t* b, const uint
         }
     }
     for (int m = 0; m < R; ++m) {
-        _mm256_storeu_si256((__m256i*)(out + m * N), round_bf16x16(acc[m][0]));
-        _mm256_storeu_si256((__m256i*)(out + m * N + 16), round_bf16x16(acc[m][1]));
+        store_bf16x16(out + m * N, acc[m][0]);
+        store_bf16x16(out + m * N + 16, acc[m][1]);
     }
 }
 

@@ -338,8 +338,8 @@ static void attend_block(const uint16_t* q, uint16_t* out, long row_stride, int 
     for (int r = 0; r < rows; ++r) {
         const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
         for (int c = 0; c < D; c += 16)
-            _mm256_storeu_si256((__m256i*)(out + r * row_stride + c),
-                                round_bf16x16(_mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv)));
+            store_bf16x16(out + r * row_stride + c,
+                          _mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv));
     }
 }
 
@@ -503,9 +503,8 @@ extern "C" int decode_attention_bf16_d64(const void* q, const void* kc, const vo
                 for (int r = 0; r < rows; ++r) {
                     const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
                     for (int c = 0; c < D; c += 16)
-                        _mm256_storeu_si256(
-                            (__m256i*)(os + index[r] * D + c),
-                            round_bf16x16(_mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv)));
+                        store_bf16x16(os + index[r] * D + c,
+                                      _mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv));
                 }
             }
         }
