@@ -1,14 +1,17 @@
 """Single-stream decode speed per kernel target and dtype, side by side in one process.
 
     python benchmarks/bench_single_stream.py [--targets avx2,avx512bf16] [--dtypes float32,bfloat16]
-                                             [--prompt-tokens 256] [--new-tokens 128] [--rounds 3]
+                                             [--quantization gguf,none] [--prompt-tokens 256]
+                                             [--new-tokens 128] [--rounds 3]
 
 One request at a time on the default model (SmolLM2-135M-Instruct): a prompt of
 ``--prompt-tokens`` token ids, ``--new-tokens`` greedy tokens with ``ignore_eos``. Decode tok/s
 is (new tokens - 1) / (time of the last token - time of the first): the steps after prefill,
 at 256-384 tokens of context by default; prefill is reported apart. Each (target, dtype) keeps
 its own engine; rounds alternate over them so the machine's drift hits all alike, and each
-figure is the median over rounds. ``--targets`` defaults to every kernel target this CPU runs.
+figure is the median over rounds. ``--targets`` defaults to every kernel target this CPU runs;
+``--quantization`` gguf keeps the GGUF file's quant blocks (dequantized in the matmul kernels),
+none dequantizes them to the dtype at load.
 """
 
 from __future__ import annotations
@@ -54,20 +57,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(isa.runnable()))
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--quantization", default="gguf,none")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     prompt = [(17 + 31 * i) % 40000 + 100 for i in range(args.prompt_tokens)]
-    engines: dict[tuple[str, str], LLMEngine] = {}
-    for target in args.targets.split(","):
-        for dtype in args.dtypes.split(","):
-            os.environ[isa.ISA_ENV] = target  # read as the runner loads its kernels
-            engine = LLMEngine(EngineConfig(dtype=dtype, enable_prefix_caching=False))
-            print(engine.system_line, file=sys.stderr)
-            one_request(engine, prompt, 8)  # warm-up
-            engines[(target, dtype)] = engine
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in engines}
+    engines: dict[tuple[str, str, str], LLMEngine] = {}
+    for target, dtype, quantization in itertools.product(
+        args.targets.split(","), args.dtypes.split(","), args.quantization.split(",")
+    ):
+        os.environ[isa.ISA_ENV] = target  # read as the runner loads its kernels
+        config = EngineConfig(dtype=dtype, quantization=quantization, enable_prefix_caching=False)
+        engine = LLMEngine(config)
+        print(engine.system_line, file=sys.stderr)
+        one_request(engine, prompt, 8)  # warm-up
+        engines[(target, dtype, quantization)] = engine
+    results: dict[tuple[str, str, str], list[tuple[float, float]]] = {k: [] for k in engines}
     for _ in range(args.rounds):
         for key, engine in engines.items():
             results[key].append(one_request(engine, prompt, args.new_tokens))
@@ -75,12 +81,13 @@ def main() -> None:
     print(
         f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, median of {args.rounds}"
     )
-    print("| target | dtype | decode tok/s | prefill s |")
-    print("| --- | --- | --- | --- |")
-    for (target, dtype), runs in results.items():
+    print("| target | dtype | weights | decode tok/s | prefill s |")
+    print("| --- | --- | --- | --- | --- |")
+    for (target, dtype, quantization), runs in results.items():
         decode = statistics.median(r[1] for r in runs)
         prefill = statistics.median(r[0] for r in runs)
-        print(f"| {target} | {dtype} | {decode:.1f} | {prefill:.3f} |")
+        weights = "GGUF blocks" if quantization == "gguf" else f"{dtype} (dequantized)"
+        print(f"| {target} | {dtype} | {weights} | {decode:.1f} | {prefill:.3f} |")
 
 
 if __name__ == "__main__":

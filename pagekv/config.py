@@ -46,10 +46,17 @@ def parse_bytes(value: int | str, param: str) -> int:
     return num
 
 
+QUANTIZATION_MODES = ("auto", "gguf", "none")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"  # "float32" | "bfloat16"
+    dtype: str = "float32"  # "float32" | "bfloat16": activations, KV cache, dense weights
+    # A GGUF file's quantized matmul weights: "gguf" keeps them GGUF blocks (the kernels
+    # dequantize them as they multiply), "none" dequantizes them to dtype at load, "auto"
+    # keeps them where the C kernels run here.
+    quantization: str = "auto"
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -84,6 +91,11 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidRequestError(
                 f"dtype must be float32 or bfloat16, got {self.dtype!r}", "dtype"
+            )
+        if self.quantization not in QUANTIZATION_MODES:
+            raise InvalidRequestError(
+                f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}",
+                "quantization",
             )
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise InvalidRequestError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict
@@ -35,7 +36,7 @@ from pagekv.models.loader import LoadedModel, load_model
 from pagekv.outputs import RequestOutput
 from pagekv.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.runner.kv_cache import KVCache
-from pagekv.runner.model_runner import ModelRunner, SampledToken
+from pagekv.runner.model_runner import ModelRunner, SampledToken, quantized_kernels_available
 from pagekv.sampling_params import SamplingParams
 from pagekv.sanitizer import KVSanitizer
 from pagekv.tier_setup import build_tiers, open_configured_store
@@ -47,13 +48,33 @@ logger = logging.getLogger("pagekv")
 PromptInput = str | Sequence[int]
 
 
+def _load(config: EngineConfig, dtype: torch.dtype) -> LoadedModel:
+    """The configured model, its GGUF blocks kept quantized as ``config.quantization`` says."""
+    fast = quantized_kernels_available()
+    if config.quantization == "gguf":
+        if config.model is not None and os.path.isdir(config.model):
+            raise InvalidRequestError(
+                f"quantization 'gguf' needs a GGUF file; {config.model} is a directory",
+                "quantization",
+            )
+        if not fast:
+            raise InvalidRequestError(
+                "quantization 'gguf' needs the C kernels, which are off or unavailable here "
+                "(see the kernel build warning, PAGEKV_CPU_ISA and PAGEKV_FUSED_OPS); "
+                "use quantization 'none'",
+                "quantization",
+            )
+    keep = config.quantization == "gguf" or (config.quantization == "auto" and fast)
+    return load_model(config.model, dtype, keep_quantized=keep)
+
+
 class LLMEngine:
     """``add_request`` / ``abort_request`` / ``step``: continuous batching over a paged KV cache."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
-        self.loaded = loaded if loaded is not None else load_model(config.model, dtype)
+        self.loaded = loaded if loaded is not None else _load(config, dtype)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         context = mcfg.max_position_embeddings

@@ -29,6 +29,14 @@ def add_engine_arguments(
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
     )
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "gguf", "none"],
+        help="a GGUF file's quantized weights: gguf keeps them quantized (dequantized inside "
+        "the matmul kernels), none dequantizes them to --dtype at load, auto (default) keeps "
+        "them where the C kernels run",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=kv_cache_memory)
     g.add_argument("--num-kv-blocks", type=int, default=None)

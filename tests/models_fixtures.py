@@ -52,6 +52,12 @@ def loaded(gguf_path: str) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def loaded_gguf(gguf_path: str) -> LoadedModel:
+    """The default model with its GGUF blocks kept quantized (the kernels dequantize them)."""
+    return load_model(gguf_path, keep_quantized=True)
+
+
+@pytest.fixture(scope="session")
 def hf_tokenizer(gguf_path: str) -> Any:
     import transformers
 

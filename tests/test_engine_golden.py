@@ -189,6 +189,42 @@ def test_greedy_equals_transformers_on_every_kernel_target(
     check_no_leak(llm.engine.kv)
 
 
+def test_greedy_equals_transformers_with_gguf_weights_on_every_kernel_target(
+    loaded_gguf: LoadedModel,
+    prompt_ids: list[list[int]],
+    reference: list[Reference],
+    kernel_target: str,
+) -> None:
+    """The file's quant blocks multiplied by the kernels, dequantized in registers to the
+    reference's own float32 weights: the same tokens."""
+    llm = make_llm(loaded_gguf, block_size=16, num_kv_blocks=1024)
+    assert llm.engine.runner.kernels["weights"].startswith("GGUF")
+    _assert_greedy_matches(llm, prompt_ids, reference)
+    check_no_leak(llm.engine.kv)
+
+
+@pytest.mark.parametrize("block_size", [1, 32])
+def test_greedy_equals_transformers_with_gguf_weights_prefix_hits_and_preemption(
+    loaded_gguf: LoadedModel,
+    prompt_ids: list[list[int]],
+    reference: list[Reference],
+    block_size: int,
+) -> None:
+    """Few blocks: prompts share a cached prefix, and requests are preempted and recomputed."""
+    llm = make_llm(loaded_gguf, block_size=block_size, num_kv_blocks=800 // block_size)
+    twice = prompt_ids + prompt_ids  # the second copies hit the first ones' blocks
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in twice], GREEDY, use_tqdm=False)
+    for out, ref in zip(outs, reference + reference, strict=True):
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        assert_matches_reference(completion.token_ids, ref, ours_lp)
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["preemptions_recompute"] > 0
+    check_no_leak(llm.engine.kv)
+
+
 def test_greedy_equals_transformers_with_the_c_kernels_off(
     loaded: LoadedModel,
     prompt_ids: list[list[int]],

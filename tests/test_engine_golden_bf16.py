@@ -137,6 +137,36 @@ def test_bf16_greedy_near_transformers_bf16(
     check_no_leak(llm.engine.kv)
 
 
+@pytest.fixture(scope="module")
+def loaded_bf16_gguf(gguf_path: str) -> LoadedModel:
+    return load_model(gguf_path, torch.bfloat16, keep_quantized=True)
+
+
+def test_bf16_with_gguf_weights_near_transformers_bf16(
+    loaded_bf16_gguf: LoadedModel,
+    prompt_ids: list[list[int]],
+    reference_bf16: list[Reference],
+    kernel_target: str,
+) -> None:
+    """bf16 activations and KV with the file's quant blocks as weights (each exactly its
+    float32 value, where the reference rounds it to bf16): the same rule."""
+    config = EngineConfig(dtype="bfloat16", num_kv_blocks=1024, check_invariants=True)
+    llm = LLM.from_engine(LLMEngine(config, loaded_bf16_gguf))
+    assert llm.engine.runner.kernels["weights"].startswith("GGUF")
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    agreed = 0
+    for out, ref in zip(outs, reference_bf16, strict=True):
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        agreed += agreeing_prefix(completion.token_ids, logprobs, ref)
+    total = NUM_NEW_TOKENS * len(prompt_ids)
+    print(f"bf16 golden with GGUF weights: {agreed}/{total} tokens agree before a near tie")
+    assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"
+    check_no_leak(llm.engine.kv)
+
+
 def test_bf16_drafted_greedy_near_transformers_bf16(
     loaded_bf16: LoadedModel, prompt_ids: list[list[int]], reference_bf16: list[Reference]
 ) -> None:

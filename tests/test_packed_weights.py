@@ -10,7 +10,7 @@ from test_models import _tiny_config
 
 from pagekv.models import LlamaForCausalLM
 from pagekv.models.layer_ops import PACKED_MAX_ROWS
-from pagekv.models.llama import LlamaDecoderLayer
+from pagekv.models.llama import LlamaDecoderLayer, _slice
 
 needs_packing = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(),  # type: ignore[no-untyped-call]
@@ -68,7 +68,10 @@ def test_loading_weights_drops_stale_packed_copies() -> None:
 
 
 def _hf_named(model: LlamaForCausalLM) -> list[tuple[str, torch.Tensor]]:
-    return [(name, view.clone()) for name, view in model._targets().items()]
+    return [
+        (name, _slice(module, param, part, model.config).clone())
+        for name, (module, param, part) in model._targets().items()
+    ]
 
 
 @needs_packing

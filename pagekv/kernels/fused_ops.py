@@ -37,7 +37,9 @@ import torch
 
 from pagekv.kernels import build
 from pagekv.kernels.isa import TILE_UNITS
+from pagekv.kernels.quant import PackedQuant, QuantKernels
 from pagekv.models import layer_ops
+from pagekv.models.quantized import QuantizedWeight
 
 DISABLE_ENV = "PAGEKV_FUSED_OPS"
 
@@ -67,6 +69,14 @@ class FusedOps:
         self._unit = self._best_unit  # which multiplies the tiles: 2 AMX, 1 vectors
         self._attention_inputs = library.attention_inputs_bf16
         self._mlp_block = library.mlp_block_bf16
+        self._quant_attention_inputs = {
+            torch.float32: library.attention_inputs_quant_f32,
+            torch.bfloat16: library.attention_inputs_quant_bf16,
+        }
+        self._quant_mlp_block = {
+            torch.float32: library.mlp_block_quant_f32,
+            torch.bfloat16: library.mlp_block_quant_bf16,
+        }
         self._stripe = int(library.stripes_width())  # columns a stripe: two vectors
         self._stripes_pack = {
             torch.float32: library.stripes_pack_f32,
@@ -76,6 +86,7 @@ class FusedOps:
             torch.float32: library.stripes_linear_f32,
             torch.bfloat16: library.stripes_linear_bf16,
         }
+        self.quant = QuantKernels(library, self._stripe)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -170,14 +181,18 @@ class FusedOps:
         return self._stripe
 
     def pack(
-        self, weight: torch.Tensor, allocate: layer_ops.Allocate = layer_ops.torch_empty
-    ) -> torch.Tensor | None:
-        """The same numbers of an [out, in] weight reordered for this object's matmuls: in bf16
+        self, weight: layer_ops.Weight, allocate: layer_ops.Allocate = layer_ops.torch_empty
+    ) -> layer_ops.Packed:
+        """The same numbers of an [out, in] weight reordered for this object's matmuls: GGUF
+        blocks in the quantized stripes (``QuantKernels.pack``; None where the rows are not
+        whole stripes, so ``layer_ops.linear`` dequantizes them per call); in bf16
         where the target has tiles (AVX512-BF16, AMX; sides multiples of 32) the tiled
         kernel's tiles, a [out / 16, in / 32, 16, 32] tensor; else, float32 or bf16 with out a
         multiple of ``stripe_width`` S, stripes [out / S, in, S] of the weight's dtype;
         otherwise ``layer_ops.pack`` (oneDNN's copy, or None). Tiles and stripes go into a
         tensor from ``allocate``."""
+        if isinstance(weight, QuantizedWeight):
+            return self.quant.pack(weight, allocate)
         out_features, in_features = weight.shape
         dtype, stripe = weight.dtype, self._stripe
         if not weight.is_contiguous() or dtype not in _SUFFIXES:
@@ -197,18 +212,22 @@ class FusedOps:
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
-        packed: torch.Tensor | None,
+        weight: layer_ops.Weight,
+        packed: layer_ops.Packed,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """bf16 without bias, at up to 256 rows with tiles from ``pack`` (none on CPUs without
         AVX512-BF16): the tiled kernel (AMX, or vectors), within a bf16 ulp of torch's matmul,
         streaming a step's weights faster than oneDNN up to 32 rows (about even above).
         float32 without bias, with stripes from ``pack``: the float32 kernel at any row count.
+        Quantized stripes: the quantized kernel, float32 or bf16 activations, any row count.
         Otherwise ``layer_ops.linear``."""
+        if isinstance(packed, PackedQuant):
+            out = self.quant.linear(x, packed, _threads())
+            return out if bias is None else out.add_(bias)
         rows, width = x.shape
-        ours = packed is not None and packed.dim() in (3, 4)  # stripes or tiles, not oneDNN's
-        if packed is not None and packed.dim() == 3:
+        ours = isinstance(packed, torch.Tensor) and packed.dim() in (3, 4)  # not oneDNN's
+        if isinstance(packed, torch.Tensor) and packed.dim() == 3:
             stripe = self._stripe
             if packed.shape != (weight.shape[0] // stripe, width, stripe) or (
                 x.dtype != packed.dtype
@@ -219,7 +238,7 @@ class FusedOps:
                 args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width)
                 if self._stripes[x.dtype](*args, weight.shape[0], _threads()) == 0:
                     return out
-        if packed is not None and packed.dim() == 4 and rows <= self._tiles_max_rows:
+        if isinstance(packed, torch.Tensor) and packed.dim() == 4 and rows <= self._tiles_max_rows:
             out_features = weight.shape[0]
             if packed.shape != (out_features // 16, width // 32, 16, 32):
                 raise ValueError("fused linear: packed tiles do not match the weight")
@@ -242,12 +261,14 @@ class FusedOps:
         num_heads: int,
         num_kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``layer_ops.attention_inputs`` in one C call for bf16 decode batches whose matmul
-        the tiles take (the same kernels, so the same bits); op by op otherwise."""
+        """``layer_ops.attention_inputs`` in one C call for decode batches whose matmul is the
+        tiles or stripes of bf16 weights, or GGUF weights' quantized stripes (the same kernels,
+        so the same bits); op by op otherwise."""
         rows, hidden = residual.shape
         half = cos.shape[-1]
+        kind = self._one_call(residual, norm, rows, (qkv,))
         if (
-            self._fits_one_call(residual, norm, rows, (qkv,))
+            kind is not None
             and (x is None or (x.shape == residual.shape and x.dtype == residual.dtype))
             and (x is None or x.is_contiguous())
             and qkv.weight.shape == ((num_heads + 2 * num_kv_heads) * 2 * half, hidden)
@@ -256,28 +277,23 @@ class FusedOps:
             and cos.is_contiguous()
             and sin.is_contiguous()
         ):
-            q = torch.empty((rows, num_heads, 2 * half), dtype=torch.bfloat16)
-            k = torch.empty((rows, num_kv_heads, 2 * half), dtype=torch.bfloat16)
+            q = torch.empty((rows, num_heads, 2 * half), dtype=residual.dtype)
+            k = torch.empty((rows, num_kv_heads, 2 * half), dtype=residual.dtype)
             v = torch.empty_like(k)
-            status = self._attention_inputs(
-                None if x is None else x.data_ptr(),
-                residual.data_ptr(),
-                norm.data_ptr(),
-                eps,
-                _packed(qkv.packed),
-                cos.data_ptr(),
-                sin.data_ptr(),
-                q.data_ptr(),
-                k.data_ptr(),
-                v.data_ptr(),
-                rows,
-                hidden,
-                num_heads,
-                num_kv_heads,
-                2 * half,
-                self._unit,
-                _threads(),
-            )
+            inputs = (None if x is None else x.data_ptr(), residual.data_ptr(), norm.data_ptr())
+            outputs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+            shape = (rows, hidden, num_heads, num_kv_heads, 2 * half)
+            tables = (cos.data_ptr(), sin.data_ptr())
+            if kind == "quant":
+                call = self._quant_attention_inputs[residual.dtype]
+                status = call(
+                    *inputs, eps, *_quant(qkv.packed), *tables, *outputs, *shape, _threads()
+                )
+            else:
+                weights = (_packed(qkv.packed),)
+                status = self._attention_inputs(
+                    *inputs, eps, *weights, *tables, *outputs, *shape, self._unit, _threads()
+                )
             if status == 0:
                 return q, k, v, residual
         return layer_ops.attention_inputs(
@@ -294,13 +310,15 @@ class FusedOps:
         gate_up: layer_ops.Linear,
         down: layer_ops.Linear,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer_ops.mlp_block`` in one C call for bf16 decode batches whose matmuls the
-        tiles take (the same kernels, so the same bits); op by op otherwise."""
+        """``layer_ops.mlp_block`` in one C call for decode batches whose matmuls are all the
+        tiles or stripes of bf16 weights, or all GGUF weights' quantized stripes (the same
+        kernels, so the same bits); op by op otherwise."""
         rows, hidden = residual.shape
         inter = down.weight.shape[1]
+        kind = self._one_call(residual, norm, rows, (o_proj, gate_up, down))
         if (
-            self._fits_one_call(residual, norm, rows, (o_proj, gate_up, down))
-            and attn.dtype == torch.bfloat16
+            kind is not None
+            and attn.dtype == residual.dtype
             and attn.is_contiguous()
             and attn.shape == (rows, o_proj.weight.shape[1])
             and o_proj.weight.shape[0] == hidden
@@ -308,47 +326,71 @@ class FusedOps:
             and down.weight.shape[0] == hidden
         ):
             out = torch.empty_like(residual)
-            status = self._mlp_block(
-                attn.data_ptr(),
-                residual.data_ptr(),
-                _packed(o_proj.packed),
-                norm.data_ptr(),
-                eps,
-                _packed(gate_up.packed),
-                _packed(down.packed),
-                out.data_ptr(),
-                rows,
-                hidden,
-                attn.shape[1],
-                inter,
-                self._unit,
-                _threads(),
-            )
+            head = (attn.data_ptr(), residual.data_ptr())
+            shape = (out.data_ptr(), rows, hidden, attn.shape[1], inter)
+            if kind == "quant":
+                status = self._quant_mlp_block[residual.dtype](
+                    *head,
+                    *_quant(o_proj.packed),
+                    norm.data_ptr(),
+                    eps,
+                    *_quant(gate_up.packed),
+                    *_quant(down.packed),
+                    *shape,
+                    _threads(),
+                )
+            else:
+                status = self._mlp_block(
+                    *head,
+                    _packed(o_proj.packed),
+                    norm.data_ptr(),
+                    eps,
+                    _packed(gate_up.packed),
+                    _packed(down.packed),
+                    *shape,
+                    self._unit,
+                    _threads(),
+                )
             if status == 0:
                 return out, residual
         return layer_ops.mlp_block(self, attn, residual, o_proj, norm, eps, gate_up, down)
 
-    def _fits_one_call(
+    def _one_call(
         self,
         residual: torch.Tensor,
         norm: torch.Tensor,
         rows: int,
         linears: tuple[layer_ops.Linear, ...],
-    ) -> bool:
-        """Whether a layer half of ``rows`` bf16 rows can go through one C call: the residual
-        and norm as the C side reads them, and every matmul one ``linear`` would give the
-        tiles or, without them, the stripes (a bias never)."""
+    ) -> str | None:
+        """Which C call a layer half of ``rows`` rows can go through: "quant" where every
+        matmul has quantized stripes (float32 or bf16), "dense" where every one is bf16 that
+        one ``linear`` would give the tiles or, without them, the stripes; None otherwise (a
+        bias never). The residual and norm must be as the C side reads them."""
         if not (
-            0 < rows <= (self._tiles_max_rows or ONE_CALL_MAX_ROWS)
-            and residual.dtype == norm.dtype == torch.bfloat16
+            rows > 0
+            and residual.dtype == norm.dtype
             and residual.is_contiguous()
             and norm.is_contiguous()
             and norm.shape == residual.shape[1:]
         ):
+            return None
+        if all(
+            isinstance(packed, PackedQuant) and packed.shape == weight.shape and bias is None
+            for weight, packed, bias in linears
+        ):
+            quant_ok = rows <= ONE_CALL_MAX_ROWS and residual.dtype in _SUFFIXES
+            return "quant" if quant_ok else None
+        dense_ok = rows <= (self._tiles_max_rows or ONE_CALL_MAX_ROWS)
+        return "dense" if dense_ok and self._fits_dense(residual, linears) else None
+
+    def _fits_dense(self, residual: torch.Tensor, linears: tuple[layer_ops.Linear, ...]) -> bool:
+        if residual.dtype != torch.bfloat16:
             return False
         for weight, packed, bias in linears:
             out_features, in_features = weight.shape
-            if bias is not None or weight.dtype != torch.bfloat16 or packed is None:
+            if not isinstance(weight, torch.Tensor) or not isinstance(packed, torch.Tensor):
+                return False
+            if bias is not None or weight.dtype != torch.bfloat16:
                 return False
             if packed.shape != self._decode_layout(out_features, in_features):
                 return False
@@ -376,9 +418,16 @@ class FusedOps:
         return out
 
 
-def _packed(packed: torch.Tensor | None) -> int | None:
+def _quant(packed: layer_ops.Packed) -> tuple[int, int]:
+    """The addresses of quantized stripes' runs and data, as the C layer halves take them."""
+    assert isinstance(packed, PackedQuant)
+    return packed.runs_table.ctypes.data, packed.data.data_ptr()
+
+
+def _packed(packed: layer_ops.Packed) -> int | None:
     """The address of packed tiles or stripes; None for no copy or oneDNN's (no storage)."""
-    return packed.data_ptr() if packed is not None and packed.dim() in (3, 4) else None
+    ours = isinstance(packed, torch.Tensor) and packed.dim() in (3, 4)
+    return packed.data_ptr() if ours and isinstance(packed, torch.Tensor) else None
 
 
 def _threads() -> int:

@@ -7,17 +7,22 @@ step whether a C++ kernel or torch runs it.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
 from pagekv.kernels import build, isa
+from pagekv.models.layer_ops import OpsLayout, Packed
+from pagekv.models.llama import LlamaForCausalLM
 
 
-def matmul_kind(packed: torch.Tensor | None, unit: str | None) -> str:
+def matmul_kind(packed: Packed, unit: str | None) -> str:
     """How a weight copy is multiplied: by its layout (see ``fused_ops.FusedOps.pack``)."""
     if packed is None:
         return "torch"
+    if isinstance(packed, OpsLayout):
+        return packed.describe()
     if packed.dim() == 4:
         return f"tiles ({unit})"
     if packed.dim() == 3:
@@ -31,7 +36,7 @@ def describe(
     decode: Any,
     prefill: Any,
     fused: Any,
-    packed: torch.Tensor | None,
+    packed: Packed,
 ) -> dict[str, str]:
     """The kernels a runner uses: every value a short phrase, for stats() and the line."""
 
@@ -56,6 +61,24 @@ def describe(
     return info
 
 
+def describe_weights(model: LlamaForCausalLM) -> dict[str, str]:
+    """How the model's weights are kept, and the bytes they take in memory (the copies the
+    ops multiply where they made one of their own) and in the file (GGUF blocks only)."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    types: Counter[str] = Counter()
+    blocks = 0
+    for name, weight in model.quantized_weights():
+        types.update(s.qtype.name for s in weight.segments)
+        blocks += weight.nbytes
+        packed = model.packed_weight_named(name)
+        resident += packed.nbytes if isinstance(packed, OpsLayout) else weight.nbytes
+    if not types:
+        return {"weights": dtype, "weight_bytes": str(resident)}
+    kept = " + ".join(f"{t} x{n}" for t, n in sorted(types.items()))
+    return {"weights": f"GGUF {kept}", "weight_bytes": str(resident), "gguf_bytes": str(blocks)}
+
+
 def line(info: dict[str, str], dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
     text = (
@@ -63,6 +86,10 @@ def line(info: dict[str, str], dtype: torch.dtype) -> str:
         f"{dtype_name}: decode attention {info['decode_attention']}, prefill attention "
         f"{info['prefill_attention']}, layer ops {info['layer_ops']}, matmuls {info['matmul']}"
     )
+    if "weights" in info:
+        text += f"; weights {info['weights']}, {int(info['weight_bytes']) / 1e6:.1f} MB"
+        if "gguf_bytes" in info:
+            text += f" (GGUF blocks in the file: {int(info['gguf_bytes']) / 1e6:.1f} MB)"
     if "kernel_build_failures" in info:
         text += f"; failed to build: {info['kernel_build_failures']}"
     return text

@@ -145,15 +145,21 @@ class GGUFFile:
             cursor, num_tensors, metadata
         )
 
-    def read_tensor(self, name: str) -> np.ndarray:
-        """The tensor dequantized to float32, in numpy shape order. May be a read-only view."""
+    def blocks(self, name: str) -> np.ndarray:
+        """The tensor's bytes as they are in the file, uint8 [*shape[:-1], bytes per row]: a
+        read-only view of the map."""
         info = self.tensors.get(name)
         if info is None:
             raise ModelLoadError(f"{self.path}: missing tensor {name!r}")
         raw = self._data[info.offset_bytes : info.offset_bytes + info.num_bytes]
         block_size, type_size = GGML_QUANT_SIZES[info.qtype]
         row_bytes = info.shape[-1] // block_size * type_size
-        rows = np.asarray(raw).reshape((*info.shape[:-1], row_bytes))
+        return np.asarray(raw).reshape((*info.shape[:-1], row_bytes))
+
+    def read_tensor(self, name: str) -> np.ndarray:
+        """The tensor dequantized to float32, in numpy shape order. May be a read-only view."""
+        rows = self.blocks(name)  # raises for a missing one
+        info = self.tensors[name]
         try:
             values = dequantize(rows, info.qtype)
         except NotImplementedError as exc:

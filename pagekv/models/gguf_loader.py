@@ -15,7 +15,8 @@ import torch
 
 from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig, freeze_rope_scaling
-from pagekv.models.gguf_file import GGUFFile
+from pagekv.models.gguf_file import GGUFFile, GGUFTensorInfo
+from pagekv.models.quantized import FORMATS, QUANT_ROW_MULTIPLE, QuantizedWeight, Segment
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 
@@ -38,6 +39,22 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
+
+# The tensors that are matmul weights (llama.cpp's names; token_embd is the tied LM head).
+_MATMUL_WEIGHTS = frozenset(
+    (
+        "token_embd",
+        "output",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    )
+)
 
 
 def _require(gguf: GGUFFile, key: str) -> object:
@@ -135,16 +152,40 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return grouped.swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+def keeps_quantized(info: GGUFTensorInfo) -> bool:
+    """Whether a tensor can stay GGUF blocks: a matmul weight of a type in ``FORMATS`` whose
+    rows fill whole stripes of every kernel target."""
+    kind = info.name.split(".")[-2] if info.name.startswith("blk.") else info.name
+    return (
+        kind.removesuffix(".weight") in _MATMUL_WEIGHTS
+        and info.name.endswith(".weight")
+        and len(info.shape) == 2
+        and info.qtype in FORMATS
+        and info.shape[0] % QUANT_ROW_MULTIPLE == 0
+    )
+
+
+def gguf_weights(
+    gguf: GGUFFile, config: ModelConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(HF name, weight) for every tensor of the file: a float32 tensor dequantized one at a
+    time, or with ``keep_quantized`` the blocks themselves where ``keeps_quantized``."""
     heads_of = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
-    for name in gguf.tensors:
+    for name, info in gguf.tensors.items():
         target = hf_name(name)
         if target is None:
             raise ModelLoadError(f"{gguf.path}: unexpected tensor {name!r}")
-        values = gguf.read_tensor(name)
         kind = name.split(".")[-2]
-        if config.model_type == "llama" and kind in heads_of:
+        permuted = config.model_type == "llama" and kind in heads_of
+        if keep_quantized and keeps_quantized(info):
+            blocks = gguf.blocks(name)
+            if permuted:  # whole rows move: a block never spans two
+                blocks = unpermute_rope_rows(blocks, heads_of[kind])
+            segment = Segment(info.qtype, blocks)
+            yield target, QuantizedWeight((info.shape[0], info.shape[1]), (segment,))
+            continue
+        values = gguf.read_tensor(name)
+        if permuted:
             values = unpermute_rope_rows(values, heads_of[kind])
         if not values.flags.writeable:  # a view of the read-only map; torch wants writable
             values = values.copy()

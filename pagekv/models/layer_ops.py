@@ -24,6 +24,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from pagekv.models.quantized import QuantizedWeight
 from pagekv.models.rope import apply_rope
 
 
@@ -47,13 +48,42 @@ def torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def pack(weight: torch.Tensor, allocate: Allocate = torch_empty) -> torch.Tensor | None:
+class OpsLayout:
+    """A weight's copy in a layout of some ops' own that is not one tensor (the quantized
+    kernels' stripes): only the ops that made it read it."""
+
+    def describe(self) -> str:
+        """What multiplies it, for the system-info line."""
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        """The memory it takes."""
+        raise NotImplementedError
+
+
+# A matmul weight [out, in]: a tensor in the model's dtype, or GGUF blocks kept quantized.
+Weight = torch.Tensor | QuantizedWeight
+# What an ops' ``pack`` made of a weight: a tensor (oneDNN's copy, tiles, stripes), a layout
+# of its own, or None.
+Packed = torch.Tensor | OpsLayout | None
+
+
+def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a tensor of ``dtype``: quantized blocks dequantized (gguf's reference,
+    a new tensor on every call: the slow path where no kernel takes them)."""
+    if isinstance(weight, QuantizedWeight):
+        return torch.from_numpy(weight.dequantize()).to(dtype)
+    return weight
+
+
+def pack(weight: Weight, allocate: Allocate = torch_empty) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a bf16 or float32 [out, in] weight; None for other dtypes or
     builds. In bf16 torch's own matmul is oneDNN's, so the numbers are the same; in float32
     torch's is MKL's sgemm, which oneDNN's packed kernels beat 1.7-2.5x at 8-64 rows on AMD Zen
     (measured; MKL takes a slow path there), with float32 sums in another order. oneDNN
-    allocates its copy itself: ``allocate`` is not used."""
-    if weight.dtype not in (torch.bfloat16, torch.float32):
+    allocates its copy itself: ``allocate`` is not used. None for quantized blocks."""
+    if isinstance(weight, QuantizedWeight) or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return None
@@ -65,13 +95,16 @@ def pack(weight: torch.Tensor, allocate: Allocate = torch_empty) -> torch.Tensor
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+    x: torch.Tensor, weight: Weight, packed: Packed, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``packed`` (oneDNN's prepacked copy of ``weight``)
     for decode-sized x in bf16 (the same numbers), for any x in float32 (where oneDNN beats
-    MKL's sgemm at prefill sizes too: 1.13-1.25x at 512-2048 rows on AMD Zen, measured)."""
-    if packed is None or (x.shape[0] > PACKED_MAX_ROWS and x.dtype != torch.float32):
-        return F.linear(x, weight, bias)
+    MKL's sgemm at prefill sizes too: 1.13-1.25x at 512-2048 rows on AMD Zen, measured).
+    Quantized blocks are dequantized for the call (``dense``)."""
+    if not isinstance(packed, torch.Tensor) or (
+        x.shape[0] > PACKED_MAX_ROWS and x.dtype != torch.float32
+    ):
+        return F.linear(x, dense(weight, x.dtype), bias)
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return out
 
@@ -80,8 +113,8 @@ class Linear(NamedTuple):
     """A projection as the ops take it: weight [out, in], what the ops' ``pack`` made of it
     (or None), and the bias (or None)."""
 
-    weight: torch.Tensor
-    packed: torch.Tensor | None = None
+    weight: Weight
+    packed: Packed = None
     bias: torch.Tensor | None = None
 
 
@@ -89,17 +122,17 @@ class LayerOps(Protocol):
     """What a decoder layer needs besides attention. Tensors in the model dtype unless said
     otherwise; T is the number of tokens."""
 
-    def pack(self, weight: torch.Tensor, allocate: Allocate = torch_empty) -> torch.Tensor | None:
+    def pack(self, weight: Weight, allocate: Allocate = torch_empty) -> Packed:
         """A copy of weight [out, in] laid out for this object's ``linear`` (same numbers), or
         None where it has no faster layout for this dtype or shape. A copy in a layout of the
-        object's own goes into a tensor from ``allocate``."""
+        object's own goes into tensors from ``allocate``."""
         ...
 
     def linear(
         self,
         x: torch.Tensor,
-        weight: torch.Tensor,
-        packed: torch.Tensor | None,
+        weight: Weight,
+        packed: Packed,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """x [T, in] @ weight [out, in]^T (+ bias) -> [T, out]; ``packed`` is what this

@@ -33,7 +33,7 @@ layer hands the ops its two halves around attention (``LayerOps.attention_inputs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,17 @@ from torch import nn
 
 from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig
-from pagekv.models.layer_ops import TORCH_OPS, Allocate, LayerOps, Linear, torch_empty
+from pagekv.models.layer_ops import (
+    TORCH_OPS,
+    Allocate,
+    LayerOps,
+    Linear,
+    Packed,
+    Weight,
+    dense,
+    torch_empty,
+)
+from pagekv.models.quantized import QuantizedWeight
 from pagekv.models.rope import rope_cos_sin
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
@@ -90,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = _weight(hidden, dtype=dtype)
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, dtype=dtype)
-        self.packed: dict[str, torch.Tensor | None] = {}  # by parameter name; pack_weights
+        self.packed: dict[str, Packed] = {}  # by parameter name; pack_weights
         self.ops: LayerOps = TORCH_OPS  # the model's use_layer_ops sets it
 
     def forward(
@@ -137,7 +147,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def pack_weights(self, allocate: Allocate) -> None:
         self.packed = {
-            name: self.ops.pack(getattr(self, name).data, allocate) for name in _PACKED_PARAMS
+            name: self.ops.pack(_data(getattr(self, name)), allocate) for name in _PACKED_PARAMS
         }
 
 
@@ -164,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _weight(config.vocab_size, config.hidden_size, dtype=dtype)
         )
-        self.packed_head: torch.Tensor | None = None  # pack_weights
+        self.packed_head: Packed = None  # pack_weights
         self.ops: LayerOps = TORCH_OPS  # use_layer_ops
         cos, sin = rope_cos_sin(config)  # [max_position_embeddings, head_dim // 2] each
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -176,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self._embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attention)
@@ -191,8 +201,28 @@ class LlamaForCausalLM(nn.Module):
         logits = self.ops.linear(hidden, self._head(), self.packed_head, None)
         return logits.float() if float32 else logits
 
-    def _head(self) -> torch.Tensor:
+    def _head(self) -> Weight:
         return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens
+        if isinstance(table, QuantizedWeight):  # the rows dequantized, exactly
+            rows = torch.from_numpy(table.rows(input_ids.numpy()))
+            return rows.to(self.norm.dtype)
+        return F.embedding(input_ids, table)
+
+    def quantized_weights(self) -> Iterator[tuple[str, QuantizedWeight]]:
+        """(name, weight) of every matmul weight kept as GGUF blocks (none but for a GGUF
+        loaded with ``keep_quantized``)."""
+        for name in ("embed_tokens", "lm_head"):
+            weight = getattr(self, name)
+            if isinstance(weight, QuantizedWeight):
+                yield name, weight
+        for i, layer in enumerate(self.layers):
+            for name in _PACKED_PARAMS:
+                weight = getattr(layer, name)
+                if isinstance(weight, QuantizedWeight):
+                    yield f"layers.{i}.{name}", weight
 
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Run every layer's matmuls and elementwise ops (and the final norm) through ``ops``.
@@ -219,9 +249,18 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layer.pack_weights(allocate)
-        self.packed_head = self.ops.pack(self._head().data, allocate)
+        self.packed_head = self.ops.pack(_data(self._head()), allocate)
 
-    def packed_weight(self, layer: int, name: str) -> torch.Tensor | None:
+    def packed_weight_named(self, name: str) -> Packed:
+        """The packed copy of a weight named as ``quantized_weights`` names it."""
+        if (name == "embed_tokens" and self.lm_head is None) or name == "lm_head":
+            return self.packed_head
+        if name.startswith("layers."):
+            _, layer, param = name.split(".")
+            return self.packed_weight(int(layer), param)
+        return None
+
+    def packed_weight(self, layer: int, name: str) -> Packed:
         """Layer ``layer``'s packed copy of ``name`` (e.g. "qkv_proj"); None if none."""
         decoder = self.layers[layer] if layer < len(self.layers) else None
         return decoder.packed.get(name) if isinstance(decoder, LlamaDecoderLayer) else None
@@ -232,15 +271,18 @@ class LlamaForCausalLM(nn.Module):
             layer.packed = {}
         self.packed_head = None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Copy tensors named as in a HF checkpoint into the (fused) parameters.
 
-        Casts to the model dtype on copy. Raises ModelLoadError on an unexpected name, a shape
-        mismatch, or when some parameter slice was never written.
+        Casts to the model dtype on copy. A ``QuantizedWeight`` replaces its parameter where
+        every slice of that parameter comes quantized (the fused weight's segments in slice
+        order); otherwise it is dequantized into its slice. Raises ModelLoadError on an
+        unexpected name, a shape mismatch, or when some parameter slice was never written.
         """
         self._unpack()  # packed copies of the old values would be stale
         targets = self._targets()
         written: set[str] = set()
+        quantized: dict[tuple[nn.Module, str], dict[str | None, QuantizedWeight]] = {}
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (
                 name == "lm_head.weight" and self.lm_head is None
@@ -249,35 +291,69 @@ class LlamaForCausalLM(nn.Module):
             target = targets.get(name)
             if target is None:
                 raise ModelLoadError(f"unexpected tensor {name!r} for {self.config.model_type}")
-            if target.shape != tensor.shape:
+            module, param_name, part = target
+            view = _slice(module, param_name, part, self.config)
+            if tuple(view.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(target.shape)}"
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}"
                 )
-            target.copy_(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault((module, param_name), {})[part] = tensor
+            else:
+                view.copy_(tensor)
             written.add(name)
         missing = sorted(set(targets) - written)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ModelLoadError(f"missing {len(missing)} tensors: {shown}")
+        for (module, param_name), parts in quantized.items():
+            self._keep_quantized(module, param_name, parts)
 
-    def _targets(self) -> dict[str, torch.Tensor]:
-        """HF tensor name -> the view of our parameter it fills."""
-        targets: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_tokens.data,
-            "model.norm.weight": self.norm.data,
+    def _keep_quantized(
+        self, module: nn.Module, param_name: str, parts: dict[str | None, QuantizedWeight]
+    ) -> None:
+        """``parts`` (slice -> weight) become the parameter if they are all of it, in the
+        fused order; else each is dequantized into its slice."""
+        slices = _fused_slices(self.config)
+        order = sorted(parts, key=lambda part: -1 if part is None else slices[part].start)
+        whole = _slice(module, param_name, None, self.config)
+        if sum(parts[p].shape[0] for p in order) == whole.shape[0]:
+            stacked = QuantizedWeight.stack([parts[p] for p in order])
+            delattr(module, param_name)  # the parameter goes: its memory was never written
+            setattr(module, param_name, stacked)
+            return
+        for part, weight in parts.items():
+            _slice(module, param_name, part, self.config).copy_(dense(weight, whole.dtype))
+
+    def _targets(self) -> dict[str, tuple[nn.Module, str, str | None]]:
+        """HF tensor name -> (module, parameter name, fused slice or None) it fills."""
+        targets: dict[str, tuple[nn.Module, str, str | None]] = {
+            "model.embed_tokens.weight": (self, "embed_tokens", None),
+            "model.norm.weight": (self, "norm", None),
         }
         if self.lm_head is not None:
-            targets["lm_head.weight"] = self.lm_head.data
-        slices = _fused_slices(self.config)
+            targets["lm_head.weight"] = (self, "lm_head", None)
         for i, layer in enumerate(self.layers):
             for suffix, (param_name, part) in _LAYER_PARAMS.items():
-                param = getattr(layer, param_name)
-                if param is None:
+                if getattr(layer, param_name) is None:
                     continue  # no q/k/v bias in this architecture
-                view = param.data if part is None else param.data[slices[part]]
-                targets[f"model.layers.{i}.{suffix}"] = view
+                targets[f"model.layers.{i}.{suffix}"] = (layer, param_name, part)
         return targets
+
+
+def _data(weight: Weight) -> Weight:
+    """A parameter's tensor (not the Parameter), or quantized blocks as they are."""
+    return weight.data if isinstance(weight, torch.Tensor) else weight
+
+
+def _slice(
+    module: nn.Module, param_name: str, part: str | None, config: ModelConfig
+) -> torch.Tensor:
+    """The view of ``module``'s parameter that slice ``part`` of a fused weight fills."""
+    param = getattr(module, param_name)
+    if not isinstance(param, torch.Tensor):
+        raise ModelLoadError(f"{param_name} was loaded twice")
+    return param.data if part is None else param.data[_fused_slices(config)[part]]
 
 
 def _fused_slices(config: ModelConfig) -> dict[str, slice]:

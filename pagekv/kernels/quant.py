@@ -1,0 +1,143 @@
+"""GGUF-quantized matmul weights on the C kernels (``csrc/quant.h``, built into the fused ops'
+library): a ``QuantizedWeight`` packed into stripes, multiplied, and read back.
+
+Owns ``PackedQuant``, one weight's stripes in runs of one format each (the segments of a fused
+projection; adjacent segments of one format are one run, their stripes simply following each
+other), and the calls that take it. Each weight is exactly gguf's dequantized value (quant.h
+says why), every output one float32 chain of FMAs, k ascending, whatever the batch: the
+stripes' contract (``fused_ops``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagekv.models import layer_ops
+from pagekv.models.quantized import QuantFormat, QuantizedWeight, decode
+
+
+@dataclass(frozen=True)
+class Run:
+    """Output columns [first, first + columns) of one format, at ``offset`` bytes."""
+
+    format: QuantFormat
+    first: int
+    columns: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class PackedQuant(layer_ops.OpsLayout):
+    """A quantized weight [out, in] in the kernels' stripes: ``data`` holds every run."""
+
+    data: torch.Tensor  # uint8
+    shape: tuple[int, int]
+    runs: tuple[Run, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    @functools.cached_property
+    def runs_table(self) -> np.ndarray:
+        """The runs as the C layer halves read them: [count, then per run bits, group,
+        superblock, offsets, zero, first column, columns, byte offset], int64."""
+        rows = [(*r.format.key(), r.first, r.columns, r.offset) for r in self.runs]
+        return np.array([len(rows), *(v for row in rows for v in row)], dtype=np.int64)
+
+    def describe(self) -> str:
+        return "gguf stripes"
+
+
+class QuantKernels:
+    """The quantized matmul's entry points of one loaded library (stripes of ``stripe``)."""
+
+    def __init__(self, library: ctypes.CDLL, stripe: int) -> None:
+        self._lib = library
+        self.stripe = stripe
+        self._linear = {
+            torch.float32: library.quant_linear_f32,
+            torch.bfloat16: library.quant_linear_bf16,
+        }
+
+    def pack(
+        self, weight: QuantizedWeight, allocate: layer_ops.Allocate = layer_ops.torch_empty
+    ) -> PackedQuant | None:
+        """The weight in stripes, or None where a segment's rows are not whole stripes."""
+        out_features, width = weight.shape
+        if any(s.rows % self.stripe for s in weight.segments):
+            return None
+        decoded = [decode(s, width) for s in weight.segments]
+        sizes = [
+            self._lib.quant_packed_bytes(*d.format.key(), d.q.shape[0], width) for d in decoded
+        ]
+        if min(sizes) < 0:
+            return None
+        data = allocate((sum(sizes),), torch.uint8)
+        runs: list[Run] = []
+        first = offset = 0
+        for d, size in zip(decoded, sizes, strict=True):
+            rows = d.q.shape[0]
+            parts = (d.q, d.d, d.dm, d.sc, d.mk)
+            addresses = [None if part is None else part.ctypes.data for part in parts]
+            status = self._lib.quant_pack(
+                *d.format.key(), *addresses, data.data_ptr() + offset, rows, width
+            )
+            if status != 0:
+                raise ValueError(f"quant_pack declined a {d.format} segment of {rows} rows")
+            if runs and runs[-1].format == d.format:  # the same format follows on: one run
+                last = runs[-1]
+                runs[-1] = Run(last.format, last.first, last.columns + rows, last.offset)
+            else:
+                runs.append(Run(d.format, first, rows, offset))
+            first, offset = first + rows, offset + size
+        assert first == out_features
+        return PackedQuant(data, weight.shape, tuple(runs))
+
+    def linear(self, x: torch.Tensor, packed: PackedQuant, threads: int) -> torch.Tensor:
+        """x [T, in] float32 or bfloat16 @ the weight^T -> [T, out] in x's dtype."""
+        rows, width = x.shape
+        out_features = packed.shape[0]
+        fn = self._linear.get(x.dtype)
+        if fn is None or width != packed.shape[1] or not x.is_contiguous():
+            raise ValueError("quantized linear: x must be a contiguous float32 or bf16 [T, in]")
+        out = torch.empty((rows, out_features), dtype=x.dtype)
+        base, size = packed.data.data_ptr(), out.element_size()
+        for run in packed.runs:
+            status = fn(
+                *run.format.key(),
+                x.data_ptr(),
+                base + run.offset,
+                out.data_ptr() + run.first * size,
+                rows,
+                width,
+                run.columns,
+                out_features,
+                threads,
+            )
+            if status != 0:
+                raise ValueError(f"quantized linear declined {rows} x {width} @ {run}")
+        return out
+
+    def columns(self, packed: PackedQuant, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` of the weight [out, in] as float32, read back from the stripes."""
+        width = packed.shape[1]
+        ids = np.asarray(ids, dtype=np.int64)
+        out = np.empty((len(ids), width), dtype=np.float32)
+        for run in packed.runs:
+            mine = np.flatnonzero((ids >= run.first) & (ids < run.first + run.columns))
+            if not len(mine):
+                continue
+            local = np.ascontiguousarray(ids[mine] - run.first)
+            got = np.empty((len(mine), width), dtype=np.float32)
+            base = packed.data.data_ptr() + run.offset
+            args = (base, local.ctypes.data, len(local), got.ctypes.data, width)
+            if self._lib.quant_columns(*run.format.key(), *args) != 0:
+                raise ValueError(f"quant_columns declined {run}")
+            out[mine] = got
+        return out

@@ -1,0 +1,254 @@
+"""GGUF weights kept quantized: the decoders against gguf's reference, the C kernels on every
+target against the dequantized weights, the loader, and the engine's choice.
+
+Every weight the kernels multiply must be exactly gguf's dequantized value (``quant_columns``
+reads them back from the packed stripes); the matmul is a float32 chain per output, so it
+agrees with a float64 product of the dequantized weights to float32 rounding, and a row's
+numbers do not depend on its batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as QT
+from gguf.quants import dequantize
+from gguf_requantize import quantize_any, random_blocks, requantize
+
+from pagekv.config import EngineConfig
+from pagekv.engine import LLMEngine
+from pagekv.errors import InvalidRequestError
+from pagekv.kernels import fused_ops
+from pagekv.kernels.quant import PackedQuant
+from pagekv.models import layer_ops
+from pagekv.models.layer_ops import Linear
+from pagekv.models.loader import LoadedModel, load_model
+from pagekv.models.quantized import FORMATS, QuantizedWeight, Segment, decode, reconstruct
+
+WIDTH = 512  # a multiple of every block size (the K types': 256)
+
+
+def assert_float32_product(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
+    """out agrees with the float64 product x @ dense^T within the float32 bound of any order
+    of its sums: K float32 roundings of magnitude at most |x| @ |dense|^T (two per step where
+    the target has no FMA instruction)."""
+    exact = x.double() @ dense.double().T
+    bound = 2 * x.shape[1] * 2.0**-24 * (x.double().abs() @ dense.double().abs().T)
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+def quantized(qtypes: list[QT], rows: int, seed: int = 0) -> QuantizedWeight:
+    """A weight [rows * len(qtypes), WIDTH] of one segment per type, random blocks."""
+    segments = tuple(
+        Segment(q, random_blocks(q, rows, WIDTH, seed + i)) for i, q in enumerate(qtypes)
+    )
+    return QuantizedWeight((rows * len(qtypes), WIDTH), segments)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_decoded_form_is_gguf_dequantization_exactly(qtype: QT) -> None:
+    blocks = random_blocks(qtype, 8, WIDTH, seed=1)
+    decoded = decode(Segment(qtype, blocks), WIDTH)
+    assert decoded.q.max() < 2**decoded.format.bits
+    assert np.array_equal(reconstruct(decoded), dequantize(blocks, qtype).reshape(8, WIDTH))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda q: q.name)
+def test_the_test_encoders_of_k_types_are_close(qtype: QT) -> None:
+    """The K encoders that write test files (gguf_requantize) give blocks gguf decodes back
+    to the weights within their step."""
+    x = np.random.default_rng(2).normal(0, 0.05, size=(16, WIDTH)).astype(np.float32)
+    back = dequantize(quantize_any(x, qtype), qtype).reshape(x.shape)
+    bits = FORMATS[qtype][0].bits
+    assert np.abs(back - x).max() < 2.5 * np.abs(x).max() / 2**bits
+
+
+@pytest.fixture
+def ops(kernel_target: str) -> fused_ops.FusedOps:
+    loaded = fused_ops.load(kernel_target)
+    assert loaded is not None, f"the fused ops must build for {kernel_target}"
+    return loaded
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_packed_stripes_hold_gguf_weights_exactly(ops: fused_ops.FusedOps, qtype: QT) -> None:
+    weight = quantized([qtype], 64)
+    packed = ops.pack(weight)
+    assert isinstance(packed, PackedQuant)
+    back = ops.quant.columns(packed, np.arange(64))
+    assert np.array_equal(back, weight.dequantize())
+
+
+def test_mixed_segments_are_runs_and_multiply_right(ops: fused_ops.FusedOps) -> None:
+    """A fused weight of Q4_K, Q4_K, Q6_K, Q8_0 rows: three runs, each into its columns."""
+    weight = quantized([QT.Q4_K, QT.Q4_K, QT.Q6_K, QT.Q8_0], 32, seed=3)
+    packed = ops.pack(weight)
+    assert isinstance(packed, PackedQuant)
+    assert [r.columns for r in packed.runs] == [64, 32, 32]
+    dense = torch.from_numpy(weight.dequantize())
+    x = torch.randn(5, WIDTH)
+    assert_float32_product(ops.linear(x, weight, packed, None), x, dense)
+    ids = np.array([0, 70, 100, 127, 31])
+    assert np.array_equal(ops.quant.columns(packed, ids), weight.dequantize()[ids])
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_quantized_matmul_matches_the_dequantized_weights(
+    ops: fused_ops.FusedOps, qtype: QT
+) -> None:
+    weight = quantized([qtype], 64, seed=4)
+    packed = ops.pack(weight)
+    dense = torch.from_numpy(weight.dequantize())
+    x = torch.randn(300, WIDTH)  # several passes and row blocks: the widened stripes
+    out = ops.linear(x, weight, packed, None)
+    assert_float32_product(out, x, dense)
+    for rows in (1, 2, 5, 13):  # a row's numbers do not depend on its batch
+        part = ops.linear(x[:rows].contiguous(), weight, packed, None)
+        assert torch.equal(part, out[:rows])
+    xb = x[:7].bfloat16()
+    got = ops.linear(xb, weight, packed, None)
+    assert got.dtype == torch.bfloat16
+    want = (xb.double() @ dense.double().T).bfloat16()
+    assert (got.double() - want.double()).abs().max() <= want.double().abs().max() / 64
+
+
+def test_rows_that_are_not_whole_stripes_are_not_packed(ops: fused_ops.FusedOps) -> None:
+    weight = quantized([QT.Q8_0], ops.stripe_width + ops.stripe_width // 2)
+    assert ops.pack(weight) is None
+    x = torch.randn(3, WIDTH)  # multiplied anyway: dequantized for the call
+    dense = torch.from_numpy(weight.dequantize())
+    torch.testing.assert_close(ops.linear(x, weight, None, None), x @ dense.T)
+
+
+def test_loader_keeps_the_files_blocks(loaded_gguf: LoadedModel, loaded: LoadedModel) -> None:
+    weights = dict(loaded_gguf.model.quantized_weights())
+    layers = loaded.config.num_hidden_layers
+    assert len(weights) == 1 + 4 * layers  # the tied embedding and four matmuls a layer
+    assert {s.qtype for w in weights.values() for s in w.segments} == {QT.Q4_1, QT.Q8_0}
+    qkv = weights["layers.0.qkv_proj"]
+    assert [s.rows for s in qkv.segments] == [576, 192, 192]  # q, k, v
+    dense = loaded.model.layers[0].qkv_proj.data.numpy()
+    assert np.array_equal(qkv.dequantize(), dense)  # the same numbers, q/k rows unpermuted
+    assert sum(w.nbytes for w in weights.values()) < 0.2 * sum(
+        p.numel() * 4 for p in loaded.model.parameters()
+    )
+    assert loaded_gguf.fingerprint != loaded.fingerprint  # their KV may differ in ulps
+
+
+def test_quantized_model_gives_the_dense_models_logits(
+    loaded_gguf: LoadedModel, loaded: LoadedModel
+) -> None:
+    from models_fixtures import full_logits
+
+    ids = loaded.tokenizer.encode("The capital of France is")
+    torch.testing.assert_close(
+        full_logits(loaded_gguf.model, ids), full_logits(loaded.model, ids), rtol=0, atol=1e-3
+    )
+
+
+def test_engine_choice_and_its_line(gguf_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    auto = LLMEngine(EngineConfig(model=gguf_path, num_kv_blocks=64))
+    assert auto.runner.kernels["weights"] == "GGUF Q4_1 x210 + Q8_0 x1"
+    assert "weights GGUF Q4_1 x210 + Q8_0 x1" in auto.system_line
+    # the stripes keep the file's scales as they are: about the file's bytes
+    assert int(auto.runner.kernels["weight_bytes"]) < 1.01 * int(auto.runner.kernels["gguf_bytes"])
+    dense = LLMEngine(EngineConfig(model=gguf_path, num_kv_blocks=64, quantization="none"))
+    assert dense.runner.kernels["weights"] == "float32"
+    monkeypatch.setenv("PAGEKV_CPU_ISA", "none")  # no kernels: auto dequantizes
+    off = LLMEngine(EngineConfig(model=gguf_path, num_kv_blocks=64))
+    assert off.runner.kernels["weights"] == "float32"
+    with pytest.raises(InvalidRequestError, match="needs the C kernels") as err:
+        LLMEngine(EngineConfig(model=gguf_path, num_kv_blocks=64, quantization="gguf"))
+    assert err.value.param == "quantization"
+
+
+def test_bad_quantization_values_are_refused(tmp_path: object) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        EngineConfig(quantization="int4")
+    assert err.value.param == "quantization"
+    with pytest.raises(InvalidRequestError, match="needs a GGUF file"):
+        LLMEngine(EngineConfig(model=str(tmp_path), quantization="gguf"))
+
+
+def test_a_type_without_a_kernel_is_dequantized_with_one_line(
+    gguf_path: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ffn_down as Q3_K (no kernel; the only tensors wide enough for a K type): those load
+    dequantized, the rest stay blocks, and one warning line names the type and count."""
+    path = tmp_path / "q3k.gguf"
+
+    def choose(name: str, shape: tuple[int, ...]) -> QT:
+        if len(shape) == 1:
+            return QT.F32
+        return QT.Q3_K if ".ffn_down." in name else QT.Q8_0
+
+    requantize(gguf_path, str(path), choose)
+    with caplog.at_level(logging.WARNING, logger="pagekv"):
+        mixed = load_model(str(path), keep_quantized=True)
+    lines = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    assert len(lines) == 1 and "Q3_K x30" in lines[0]
+    kept = dict(mixed.model.quantized_weights())
+    assert "layers.0.down_proj" not in kept and "layers.0.qkv_proj" in kept
+    assert isinstance(mixed.model.layers[0].down_proj, torch.Tensor)
+    dense = load_model(str(path))
+    from models_fixtures import full_logits
+
+    ids = dense.tokenizer.encode("The capital of France is")
+    torch.testing.assert_close(
+        full_logits(mixed.model, ids), full_logits(dense.model, ids), rtol=0, atol=1e-3
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_layer_halves_in_one_call_are_the_ops_one_by_one(
+    ops: fused_ops.FusedOps, loaded_gguf: LoadedModel, dtype: torch.dtype, rows: int
+) -> None:
+    """A decode batch's two layer halves with the file's quantized weights in one C call each
+    (float32 or bf16 activations): exactly the bits of the same ops one by one."""
+    layer = loaded_gguf.model.layers[3]
+    cfg = loaded_gguf.config
+
+    def linear(name: str) -> Linear:
+        weight = getattr(layer, name)
+        return Linear(weight, ops.pack(weight))
+
+    qkv, o_proj, gate_up, down = (
+        linear(n) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    )
+    norm_in, norm_post = (
+        getattr(layer, n).data.to(dtype) for n in ("input_layernorm", "post_attention_layernorm")
+    )
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cfg.hidden_size, generator=gen).to(dtype)
+    residual = torch.randn(rows, cfg.hidden_size, generator=gen).to(dtype)
+    angles = torch.arange(rows)[:, None] * 1e-2 * torch.arange(1, cfg.head_dim // 2 + 1)
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    eps, heads = cfg.rms_norm_eps, (cfg.num_attention_heads, cfg.num_key_value_heads)
+
+    def both(attention_inputs: Any, mlp_block: Any) -> list[torch.Tensor]:
+        res = residual.clone()
+        q, k, v, res = attention_inputs(ops, x, res, norm_in, eps, qkv, cos, sin, *heads)
+        attn = (q * 0.5).reshape(rows, -1).contiguous()
+        out, res = mlp_block(ops, attn, res, o_proj, norm_post, eps, gate_up, down)
+        return [q, k, v, out, res]
+
+    one_by_one = both(layer_ops.attention_inputs, layer_ops.mlp_block)
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the C call declined a decode batch it should take")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layer_ops, "attention_inputs", refuse)
+        patch.setattr(layer_ops, "mlp_block", refuse)
+        one_call = both(
+            lambda ops_, *a: ops_.attention_inputs(*a), lambda ops_, *a: ops_.mlp_block(*a)
+        )
+    for a, b in zip(one_call, one_by_one, strict=True):
+        assert a.dtype == b.dtype == dtype
+        assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} values differ"
