@@ -177,15 +177,19 @@ class LLMEngine:
         given = list(prompt)
         if not given:
             raise InvalidRequestError("prompt_token_ids must not be empty", "prompt")
-        vocab = self.loaded.config.vocab_size
-        for t in given:  # numpy's integers too; not bools
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise InvalidRequestError(f"token ids must be integers, got {t!r}", "prompt")
-            if not 0 <= t < vocab:
-                raise InvalidRequestError(
-                    f"token id {t!r} is outside the vocabulary [0, {vocab})", "prompt"
-                )
+        self.check_token_ids(given, "prompt")
         return None, [int(t) for t in given]
+
+    def check_token_ids(self, ids: Iterable[Any], param: str) -> None:
+        """Refuse anything in ``ids`` that is not a token id of this model (``param`` named)."""
+        vocab = self.loaded.config.vocab_size
+        for t in ids:  # numpy's integers too; not bools
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise InvalidRequestError(f"{param}: token ids must be integers, got {t!r}", param)
+            if not 0 <= int(t) < vocab:
+                raise InvalidRequestError(
+                    f"{param}: token id {t!r} is outside the vocabulary [0, {vocab})", param
+                )
 
     def add_request(
         self,
@@ -200,6 +204,7 @@ class LLMEngine:
         params = params or SamplingParams()
         self._check_new_id(request_id)
         text, ids = self.tokenize_prompt(prompt)
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         group = RequestGroup.create(

@@ -2,7 +2,8 @@
 
 Named and defaulted as vLLM users expect. Validation happens in ``__post_init__`` so an invalid
 object never exists: every error is an ``InvalidRequestError`` naming the parameter, raised before
-the engine allocates anything.
+the engine allocates anything. Every number must be finite (no NaN, no infinity); token ids
+(``stop_token_ids``) are checked against the vocabulary by the engine, which knows its size.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    """A number that is no NaN or infinity, nor an integer past the range of a float."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -81,12 +92,12 @@ class SamplingParams:
                 f"must be an integer >= n ({self.n}), got {self.best_of!r}",
             )
         _check(
-            _is_number(self.temperature) and self.temperature >= 0,
+            _is_finite(self.temperature) and self.temperature >= 0,
             "temperature",
-            f"must be a number >= 0, got {self.temperature!r}",
+            f"must be a finite number >= 0, got {self.temperature!r}",
         )
         _check(
-            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            _is_finite(self.top_p) and 0 < self.top_p <= 1,
             "top_p",
             f"must be in (0, 1], got {self.top_p!r}",
         )
@@ -97,7 +108,7 @@ class SamplingParams:
                 f"must be None or an integer >= 1, got {self.top_k!r}",
             )
         _check(
-            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            _is_finite(self.min_p) and 0 <= self.min_p <= 1,
             "min_p",
             f"must be in [0, 1], got {self.min_p!r}",
         )
@@ -136,14 +147,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(
-                _is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                _is_finite(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
                 name,
                 f"must be a number in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}",
             )
         _check(
-            _is_number(self.repetition_penalty)
-            and self.repetition_penalty > 0
-            and math.isfinite(self.repetition_penalty),
+            _is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
             f"must be a finite number > 0, got {self.repetition_penalty!r}",
         )

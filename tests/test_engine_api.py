@@ -64,12 +64,32 @@ def test_bad_prompts_raise_typed_errors_and_leave_nothing(
     assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
+    vocab = llm.engine.loaded.config.vocab_size
+    for ids in ([vocab], [0, 10**12]):
+        params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=ids)
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate("Hello", params, use_tqdm=False)
+        assert info.value.param == "stop_token_ids"
+        assert_untouched(llm)
+    last = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[vocab - 1])
+    assert llm.generate("Hello", last, use_tqdm=False)[0].outputs[0].token_ids
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -3}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),  # no float holds it
+        ({"top_p": float("nan")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"presence_penalty": float("-inf")}, "presence_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 0}, "top_k"),

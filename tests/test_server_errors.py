@@ -114,6 +114,111 @@ BAD_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
 ]
 
 
+DEEP = 100_000  # far past the server's nesting limit, and past Python's recursion limit
+CMPL_BASE = b'"prompt": "Hello", "max_tokens": 4'
+CHAT_BASE = b'"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4'
+
+
+def _raw(base: bytes, extra: bytes) -> bytes:
+    """A JSON object of ``base`` and ``extra`` (raw JSON text: NaN and lone surrogates stay)."""
+    return b"{" + base + b", " + extra + b"}"
+
+
+def _deep_list() -> bytes:
+    return b"[" * DEEP + b"]" * DEEP
+
+
+def _deep_object() -> bytes:
+    return b'{"a": ' * DEEP + b"1" + b"}" * DEEP
+
+
+# (field, raw JSON value) refused on either endpoint, the error naming the field
+BAD_NUMBERS: list[tuple[str, bytes]] = [
+    ("temperature", b"Infinity"),
+    ("temperature", b"-Infinity"),
+    ("temperature", b"NaN"),
+    ("temperature", b"1e999"),  # Python's json reads it as inf
+    ("temperature", b"1e308"),
+    ("temperature", b"2.5"),
+    ("temperature", b"1" + b"0" * 400),  # an integer past any float
+    ("top_p", b"NaN"),
+    ("top_p", b"Infinity"),
+    ("min_p", b"NaN"),
+    ("min_p", b"-Infinity"),
+    ("presence_penalty", b"NaN"),
+    ("frequency_penalty", b"-Infinity"),
+    ("repetition_penalty", b"Infinity"),
+    ("repetition_penalty", b"NaN"),
+    ("stop_token_ids", b"[1000000000000]"),
+    ("stop_token_ids", b"[0, 9223372036854775808]"),
+    ("stop_token_ids", b"[-1]"),
+]
+
+# (id, path, raw body, error param) that must each be a 400 naming ``param`` (None: the body
+# is not JSON, so no field can be named)
+HOSTILE_BODIES: list[tuple[str, str, bytes, str | None]] = [
+    *[
+        (
+            f"{name} {value[:12].decode()}",
+            path,
+            _raw(base, b'"' + name.encode() + b'": ' + value),
+            name,
+        )
+        for path, base in ((CMPL, CMPL_BASE), (CHAT, CHAT_BASE))
+        for name, value in BAD_NUMBERS
+    ],
+    ("surrogate prompt", CMPL, b'{"prompt": "\\ud800", "max_tokens": 4}', "prompt"),
+    ("low surrogate in a prompt", CMPL, b'{"prompt": ["ok", "a\\udfffb"]}', "prompt[1]"),
+    ("surrogate stop", CMPL, _raw(CMPL_BASE, b'"stop": ["\\ud800"]'), "stop[0]"),
+    ("surrogate model", CMPL, _raw(CMPL_BASE, b'"model": "\\udbff"'), "model"),
+    ("surrogate key", CMPL, _raw(CMPL_BASE, b'"\\ud800": 1'), "body"),
+    (
+        "surrogate content",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        "messages[0].content",
+    ),
+    (
+        "surrogate text part",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\ud800"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    (
+        "surrogate role",
+        CHAT,
+        b'{"messages": [{"role": "\\ud800", "content": "hi"}]}',
+        "messages[0].role",
+    ),
+    ("deep prompt", CMPL, b'{"prompt": ' + _deep_list() + b"}", "prompt"),
+    ("deep unclosed prompt", CMPL, b'{"prompt": ' + b"[" * DEEP, "prompt"),
+    ("deep user", CMPL, _raw(CMPL_BASE, b'"user": ' + _deep_object()), "user"),
+    ("deep list body", CMPL, _deep_list(), "body"),
+    ("deep object body", CMPL, _deep_object(), "body"),
+    (
+        "deep user content",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": ' + _deep_object() + b"}]}",
+        "messages",
+    ),
+    ("deep chat user", CHAT, _raw(CHAT_BASE, b'"user": ' + _deep_list()), "user"),
+    ("deep chat body", CHAT, _deep_object(), "body"),
+    ("token id past the vocab", CMPL, b'{"prompt": [1, 1000000000000]}', "prompt"),
+    ("negative token id", CMPL, b'{"prompt": [-1]}', "prompt"),
+    ("token id past int64", CMPL, b'{"prompt": [9223372036854775808]}', "prompt"),
+    (
+        "bad ids in a second prompt",
+        CMPL,
+        b'{"prompt": [[1, 2], [1000000000000]], "n": 2}',
+        "prompt",
+    ),
+    ("integer of 5000 digits", CMPL, _raw(CMPL_BASE, b'"n": ' + b"1" * 5000), None),
+    ("chat integer of 5000 digits", CHAT, _raw(CHAT_BASE, b'"seed": ' + b"9" * 5000), None),
+]
+GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+GREEDY_CHAT = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+
+
 def check_error_body(response: httpx.Response, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text[:300]
     assert "Traceback" not in response.text
@@ -138,6 +243,49 @@ def test_bad_request_gets_its_4xx(
         assert error["param"] == param
     if param == "model":
         assert error["code"] == "model_not_found"
+
+
+def _greedy_texts(server: ServerProcess) -> tuple[str, str]:
+    cmpl, chat = server.post(CMPL, GREEDY), server.post(CHAT, GREEDY_CHAT)
+    assert cmpl.status_code == chat.status_code == 200, (cmpl.text, chat.text)
+    return cmpl.json()["choices"][0]["text"], chat.json()["choices"][0]["message"]["content"]
+
+
+def _send_hostile(
+    server: ServerProcess, case: tuple[str, str, bytes, str | None]
+) -> tuple[int, list[str]]:
+    """One case's status and what went wrong: its status, its error's param, the server after."""
+    name, path, raw, param = case
+    headers = {**server.headers, "Content-Type": "application/json"}
+    response = httpx.post(server.url + path, content=raw, headers=headers, timeout=60)
+    problems = []
+    if response.status_code != 400:
+        problems.append(f"{name}: status {response.status_code}: {response.text[:200]}")
+    else:
+        error = check_error_body(response, 400)
+        if error["param"] != param:
+            problems.append(f"{name}: param {error['param']!r}, not {param!r}: {error['message']}")
+    if server.get("/health").status_code != 200:
+        problems.append(f"{name}: /health is not 200 afterwards")
+    if not wait_until(lambda: nothing_in_use(server), timeout_s=5):
+        problems.append(f"{name}: blocks or requests left in the engine: {server.kv()['stats']}")
+    return response.status_code, problems
+
+
+def test_hostile_bodies_are_400s_that_leave_the_server_as_it_was(server: ServerProcess) -> None:
+    """Non-finite and out-of-range numbers, token ids outside the vocabulary, lone surrogates
+    and deep nesting, as raw bytes on both endpoints: each a 400 naming its field, none a 5xx,
+    the server healthy with nothing allocated after each, and greedy output unchanged."""
+    before = _greedy_texts(server)
+    server_errors, problems = [], []
+    for case in HOSTILE_BODIES:
+        status, found = _send_hostile(server, case)
+        problems += found
+        if status >= 500:
+            server_errors.append(f"{case[0]}: {status}")
+    assert not server_errors, "\n".join(problems)
+    assert not problems, "\n".join(problems)
+    assert _greedy_texts(server) == before
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": ""}])

@@ -38,6 +38,7 @@ from pagekv.server.kv_page import render_kv_page
 from pagekv.server.kv_png import FREE, encode_png, render_block_map
 from pagekv.server.metrics import Metrics
 from pagekv.server.protocol import (
+    MAX_JSON_DEPTH,
     ChatCompletionRequest,
     CompletionRequest,
     chat_logprobs,
@@ -262,6 +263,67 @@ def test_sampling_params_from_a_body() -> None:
     assert info.value.param == "n"
     chat = validate(ChatCompletionRequest, {"messages": [], "logprobs": True, "top_logprobs": 3})
     assert chat_logprobs(chat) == 3
+
+
+def _param_of_refused(raw: bytes) -> str | None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_json(raw)
+    return info.value.param
+
+
+def test_nesting_is_refused_from_the_raw_bytes_and_names_the_top_level_field() -> None:
+    inner = MAX_JSON_DEPTH - 1  # the body object is one level
+    assert parse_json(b'{"prompt": ' + b"[" * inner + b"]" * inner + b"}")["prompt"]
+    deeper = inner + 1
+    assert _param_of_refused(b'{"prompt": ' + b"[" * deeper + b"]" * deeper + b"}") == "prompt"
+    assert (
+        _param_of_refused(b'{"n": 1, "user": ' + b'{"a":' * deeper + b"1" + b"}" * deeper + b"}")
+        == "user"
+    )
+    assert _param_of_refused(b"[" * 10**5) == "body"
+    assert _param_of_refused(b'{"x": ' + b"[" * 10**5) == "body"  # no field of the API
+    # Brackets in strings (escaped quotes too) are text, not nesting.
+    text = '\\"[{' * 10**4
+    assert parse_json(f'{{"prompt": "{text}"}}'.encode())["prompt"] == '"[{' * 10**4
+
+
+def test_strings_that_are_not_unicode_are_refused_where_they_are() -> None:
+    assert _param_of_refused(b'{"prompt": "\\ud800"}') == "prompt"
+    assert _param_of_refused(b'{"prompt": ["a", "b\\udfff"]}') == "prompt[1]"
+    chat = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}'
+    assert _param_of_refused(chat) == "messages[0].content[0].text"
+    assert _param_of_refused(b'{"prompt": "x", "\\ud800": 1}') == "body"
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}')["prompt"] == "\U0001f600"  # a pair
+    assert _param_of_refused(b'{"n": ' + b"1" * 5000 + b"}") is None  # past int()'s digits
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ],
+)
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity", b"1e999"])
+def test_every_float_field_refuses_nan_and_infinity(field: str, value: bytes) -> None:
+    body = parse_json(b'{"prompt": "x", "' + field.encode() + b'": ' + value + b"}")
+    with pytest.raises(InvalidRequestError, match="finite") as info:
+        validate(CompletionRequest, body)
+    assert info.value.param == field
+
+
+@pytest.mark.parametrize("temperature", [2.0001, 1e308, 10**400])
+def test_temperature_is_in_openais_range(temperature: float) -> None:
+    ok = validate(CompletionRequest, {"prompt": "x", "temperature": 2})
+    assert sampling_params(ok, 16, None, max_n=4).temperature == 2
+    with pytest.raises(InvalidRequestError) as info:
+        body = validate(CompletionRequest, {"prompt": "x", "temperature": temperature})
+        sampling_params(body, 16, None, max_n=4)
+    assert info.value.param == "temperature"
 
 
 def test_cursor_holds_back_a_possible_stop_string() -> None:

@@ -1,16 +1,19 @@
 """Request bodies of the OpenAI API, parsed strictly, and their translation to engine inputs.
 
-A body is decoded as UTF-8, parsed as JSON, validated by a pydantic model in strict mode (no
-"5" for 5, no true for 1) and turned into ``SamplingParams``, whose own checks name the bad
-parameter. Every failure is an ``InvalidRequestError`` carrying ``param``: HTTP 400. Unknown
-fields are ignored, as OpenAI-compatible servers do; known but unsupported features
-(``echo``, ``suffix``, ``logit_bias``, JSON mode, tools, ``best_of != n``) are rejected rather
-than silently ignored.
+A body is decoded as UTF-8, scanned for nesting deeper than ``MAX_JSON_DEPTH`` (refused before
+the parser recurses into it), parsed as JSON, checked for strings that are not valid Unicode
+(lone UTF-16 surrogates such as ``"\\ud800"`` decode, but no tokenizer or encoder takes them),
+validated by a pydantic model in strict mode (no "5" for 5, no true for 1, no NaN or infinity)
+and turned into ``SamplingParams``, whose own checks name the bad parameter. Every failure is
+an ``InvalidRequestError`` carrying ``param``: HTTP 400. Unknown fields are ignored, as
+OpenAI-compatible servers do; known but unsupported features (``echo``, ``suffix``,
+``logit_bias``, JSON mode, tools, ``best_of != n``) are rejected rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -21,9 +24,17 @@ from pagekv.sampling_params import MAX_LOGPROBS, SamplingParams
 PromptInput = str | list[int]
 M = TypeVar("M", bound=BaseModel)
 
+MAX_JSON_DEPTH = 32  # arrays and objects inside each other; the bodies of this API need few
+MAX_TEMPERATURE = 2.0  # OpenAI's API takes temperature in [0, 2]
+_STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string, escapes included
+_STRING_OR_BRACKET = re.compile(_STRING + rb"|[\[\]{}]")
+_STRINGS = re.compile(_STRING)
+_NOT_OPENING = bytes(b for b in range(256) if b not in b"[{")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -98,21 +109,94 @@ _MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
 )
 _FIELDS = {name for m in _MODELS for name in m.model_fields}
+_TOP_FIELDS = {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fields}
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The JSON object in ``raw``; 400 for bad UTF-8, bad JSON or a non-object."""
+    """The JSON object in ``raw``; 400 for bad UTF-8, deep nesting, bad JSON, a non-object or
+    a string that is not valid Unicode."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidRequestError(f"request body is not valid UTF-8: {exc.reason}") from None
+    check_depth(raw)
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than int() takes
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequestError("request body must be a JSON object")
+    bad_text = invalid_text_path(data)
+    if bad_text is not None:
+        param = bad_text or "body"
+        raise InvalidRequestError(f"{param}: not valid Unicode (a lone UTF-16 surrogate)", param)
     return data
+
+
+def check_depth(raw: bytes) -> None:
+    """Refuse JSON whose arrays and objects nest deeper than ``MAX_JSON_DEPTH``, from the raw
+    bytes and before any parser recurses; ``param`` is the top-level field holding the depth.
+
+    Brackets inside strings do not count. A body with fewer opening brackets than the limit
+    cannot be too deep, so an ordinary body costs one substitution and one ``translate``.
+    """
+    skeleton = _STRINGS.sub(b'""', raw)
+    if len(skeleton.translate(None, _NOT_OPENING)) <= MAX_JSON_DEPTH:
+        return
+    depth, outer, key = 0, 0, b""
+    for match in _STRING_OR_BRACKET.finditer(raw):
+        first = raw[match.start()]
+        if first == ord('"'):
+            key = match.group() if depth == 1 else key
+        elif first in b"[{":
+            depth += 1
+            outer = outer or first
+            if depth > MAX_JSON_DEPTH:
+                param = _field_named(key) if outer == ord("{") else "body"
+                raise InvalidRequestError(
+                    f"{param}: nested deeper than {MAX_JSON_DEPTH} arrays or objects", param
+                )
+        else:
+            depth -= 1
+
+
+def _field_named(key: bytes) -> str:
+    """The request field a raw JSON key names, or ``body`` for a key that names none."""
+    try:
+        name = json.loads(key)
+    except ValueError:
+        return "body"
+    return name if name in _TOP_FIELDS else "body"
+
+
+def invalid_text_path(value: Any, path: str = "") -> str | None:
+    """Where the first string (object key or value) in ``value`` that is not valid Unicode is,
+    as ``messages[0].content`` ("" for the top); None if every string is valid.
+
+    A bad key is reported as the object holding it, so a reported path is itself valid text.
+    """
+    if isinstance(value, str):
+        return None if _is_unicode(value) else path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not _is_unicode(key):
+                return path
+            found = invalid_text_path(item, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, str | dict | list):
+                continue  # a number, a bool or null: no text (and token id lists are long)
+            found = invalid_text_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    """No lone surrogate: ``text`` encodes as UTF-8."""
+    return text.isascii() or _SURROGATE.search(text) is None
 
 
 def validate(model: type[M], data: dict[str, Any]) -> M:
@@ -157,11 +241,21 @@ def _reject_unsupported(req: _Sampling) -> None:
             raise InvalidRequestError("best_of: only best_of == n is supported", "best_of")
 
 
+def _check_api_ranges(req: _Sampling) -> None:
+    """OpenAI's limits where they are narrower than the engine's (``SamplingParams``)."""
+    if req.temperature is not None and req.temperature > MAX_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature: must be in [0, {MAX_TEMPERATURE}], got {req.temperature}",
+            "temperature",
+        )
+
+
 def sampling_params(
     req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for a validated request body."""
     _reject_unsupported(req)
+    _check_api_ranges(req)
     if req.n > max_n:
         raise InvalidRequestError(f"n: must be <= {max_n}, got {req.n}", "n")
     return SamplingParams(
