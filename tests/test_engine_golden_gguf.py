@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from gguf.constants import GGMLQuantizationType as QT
 from gguf_requantize import requantize
-from test_engine_golden import GREEDY, _greedy_reference, assert_matches_reference, make_llm
+from test_engine_golden import _assert_greedy_matches, _greedy_reference, make_llm
 
 from pagekv.core.invariants import check_no_leak
 from pagekv.models.loader import LoadedModel, load_model
@@ -86,10 +86,5 @@ def test_greedy_equals_transformers_on_every_kernel_target(
 ) -> None:
     llm = make_llm(mixed, block_size=16, num_kv_blocks=512)
     ids = [mixed.tokenizer.encode(p) for p in PROMPTS]
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)
-    for out, ref in zip(outs, mixed_reference, strict=True):
-        completion = out.outputs[0]
-        assert completion.logprobs is not None
-        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
-        assert_matches_reference(completion.token_ids, ref, ours_lp)
+    _assert_greedy_matches(llm, ids, mixed_reference)
     check_no_leak(llm.engine.kv)
