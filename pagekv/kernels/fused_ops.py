@@ -421,7 +421,7 @@ class FusedOps:
 def _quant(packed: layer_ops.Packed) -> tuple[int, int]:
     """The addresses of quantized stripes' runs and data, as the C layer halves take them."""
     assert isinstance(packed, PackedQuant)
-    return packed.runs_table.ctypes.data, packed.data.data_ptr()
+    return packed.addresses
 
 
 def _packed(packed: layer_ops.Packed) -> int | None:

@@ -50,6 +50,12 @@ class PackedQuant(layer_ops.OpsLayout):
         rows = [(*r.format.key(), r.first, r.columns, r.offset) for r in self.runs]
         return np.array([len(rows), *(v for row in rows for v in row)], dtype=np.int64)
 
+    @functools.cached_property
+    def addresses(self) -> tuple[int, int]:
+        """(runs_table's, data's) addresses, as the C layer halves take them; both arrays
+        live as long as this object."""
+        return self.runs_table.ctypes.data, self.data.data_ptr()
+
     def describe(self) -> str:
         return "gguf stripes"
 
