@@ -108,11 +108,17 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
-async def blocks_in_use_after(client: httpx.AsyncClient, timeout_s: float = 5.0) -> int:
-    """KV blocks still in use once the engine has no request (waits up to ``timeout_s``)."""
+async def blocks_in_use_after(url: str, headers: dict[str, str], timeout_s: float = 5.0) -> int:
+    """KV blocks still in use once the engine has no request (waits up to ``timeout_s``).
+
+    Each poll opens a fresh connection: a pooled one may have idled past the server's
+    keep-alive timeout while the last streams ran, and the server may close it just as
+    the poll is sent on it.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
-        kv = (await client.get("/debug/kv.json")).json()
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as client:
+            kv = (await client.get("/debug/kv.json")).json()
         in_use = sum(b["state"] == "in_use" for b in kv["blocks"])
         if in_use == 0 or time.monotonic() > deadline:
             return in_use
@@ -129,7 +135,7 @@ async def run(url: str, bodies: list[dict], concurrency: int, api_key: str | Non
         start = time.perf_counter()
         results = await asyncio.gather(*(one(client, b, sem) for b in bodies))
         wall = time.perf_counter() - start
-        leaked = await blocks_in_use_after(client)
+    leaked = await blocks_in_use_after(url, headers)
     return summarize(results, wall, leaked)
 
 
