@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.kernels import fused_ops
 from pagekv.models.layer_ops import TORCH_OPS, LayerOps
 from pagekv.sampling_params import SamplingParams

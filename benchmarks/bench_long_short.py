@@ -49,8 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagekv import SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.models import load_model
 from pagekv.models.loader import LoadedModel
 

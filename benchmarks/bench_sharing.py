@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from pagekv import BeamSearchParams, SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.models.loader import load_model
 
 PARAGRAPH = (

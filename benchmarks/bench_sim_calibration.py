@@ -31,8 +31,8 @@ from dataclasses import asdict
 import torch
 
 from pagekv.bench.workloads import random_workload
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.sampling_params import SamplingParams
 from pagekv.sim.calibrate import CalibrationSettings, calibrate
 from pagekv.sim.cost_model import CostModel, StepShape

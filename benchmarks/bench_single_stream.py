@@ -42,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagekv import SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.kernels import isa
 from pagekv.models.loader import default_model_path
 

@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.models.loader import LoadedModel, load_model
 from pagekv.sampling_params import SamplingParams
 from pagekv.tiering.faults import SlowStore

@@ -91,8 +91,8 @@ from pagekv.bench.offline import run_offline, warm_up
 from pagekv.bench.report import peak_rss_bytes
 from pagekv.bench.serve import ServeSettings, run_serve
 from pagekv.bench.workloads import BenchRequest, Workload, load_workload
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.models.loader import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

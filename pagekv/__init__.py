@@ -11,13 +11,13 @@ See docs/architecture.md and the glossary in pagekv/core/__init__.py.
 
 from typing import TYPE_CHECKING, Any
 
-from pagekv.beam_search import BeamSearchOutput, BeamSearchParams
+from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagekv.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.errors import InvalidRequestError, PagekvError
-from pagekv.outputs import CompletionOutput, RequestOutput
 from pagekv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagekv.engine import LLMEngine
+    from pagekv.engine.llm_engine import LLMEngine
     from pagekv.llm import LLM
 
 __all__ = [
@@ -40,7 +40,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "LLMEngine":
-        from pagekv.engine import LLMEngine
+        from pagekv.engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(f"module 'pagekv' has no attribute {name!r}")

@@ -12,11 +12,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagekv.beam_search import BeamSearchOutput, BeamSearchParams
-from pagekv.config import EngineConfig
-from pagekv.engine import LLMEngine, PromptInput
+from pagekv.engine.llm_engine import LLMEngine, PromptInput
+from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagekv.engine.config import EngineConfig
+from pagekv.engine.outputs import RequestOutput
 from pagekv.errors import InvalidRequestError
-from pagekv.outputs import RequestOutput
 from pagekv.sampling_params import SamplingParams
 
 Prompt = str | Mapping[str, Any]

@@ -663,8 +663,8 @@ def test_engine_fast_path_equals_reference_path(loaded: LoadedModel) -> None:
     """Whole engine, fp32: chunked prefill (budget 48 tokens), prefix-cache hits and decode rows
     mixed in one step give the same greedy tokens and logprobs on both attention backends."""
     from pagekv import SamplingParams
-    from pagekv.config import EngineConfig
     from pagekv.engine import LLMEngine
+    from pagekv.engine.config import EngineConfig
     from pagekv.llm import LLM
     from pagekv.runner.model_runner import AttentionBackend
 

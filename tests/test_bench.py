@@ -19,10 +19,10 @@ from pagekv.bench.workloads import (
     prefix_workload,
     random_workload,
 )
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
+from pagekv.engine.outputs import RequestOutput
 from pagekv.models.loader import LoadedModel
-from pagekv.outputs import RequestOutput
 
 
 def test_random_workload_is_the_specified_one() -> None:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from pagekv import InvalidRequestError, SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_manager, check_no_leak
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import ModelLoadError, PromptTooLongError
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel

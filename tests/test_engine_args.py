@@ -1,4 +1,4 @@
-"""pagekv.engine_args: the command-line options every engine-building command shares, read back
+"""pagekv.engine.args: the command-line options every engine-building command shares, read back
 into an ``EngineConfig``; and the engine's thread setting."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import argparse
 import pytest
 import torch
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
-from pagekv.engine_args import add_engine_arguments, engine_config
+from pagekv.engine.args import add_engine_arguments, engine_config
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError
 from pagekv.models.loader import LoadedModel
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from pagekv import SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_no_leak
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel
 

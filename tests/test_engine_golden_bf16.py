@@ -24,9 +24,9 @@ import torch
 from test_engine_golden import NUM_NEW_TOKENS, PROMPTS, Reference, _greedy_reference
 
 from pagekv import SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_no_leak
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.kernels import fused_ops, isa
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel, load_model

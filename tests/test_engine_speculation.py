@@ -8,9 +8,9 @@ import pytest
 
 from pagekv import SamplingParams
 from pagekv.bench.workloads import load_workload
-from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_no_leak
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel
 

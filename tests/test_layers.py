@@ -74,11 +74,11 @@ RULES = (
         "pagekv.server",
         only_pagekv=(
             "pagekv.engine",
-            "pagekv.config",
+            "pagekv.engine.config",
             "pagekv.server",
             "pagekv.errors",
             "pagekv.sampling_params",
-            "pagekv.outputs",
+            "pagekv.engine.outputs",
         ),
     ),
     Rule("runner imports no higher layer", "pagekv.runner", forbidden=UPWARD),
@@ -95,7 +95,7 @@ RULES = (
     ),
     Rule(
         "trace (the engine writes it, the simulator reads it) needs only core's hash chain",
-        "pagekv.trace",
+        "pagekv.core.trace",
         forbidden=("torch", "numpy"),
         only_pagekv=("pagekv.core", "pagekv.errors"),
         required=True,

@@ -20,8 +20,8 @@ from gguf.constants import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 from gguf_requantize import quantize_any, random_blocks, requantize
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError
 from pagekv.kernels import fused_ops
 from pagekv.kernels.quant import PackedQuant

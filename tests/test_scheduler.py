@@ -20,7 +20,6 @@ from test_scheduler_fakes import (
     run_until_done,
 )
 
-from pagekv.config import EngineConfig
 from pagekv.core import KVCacheManager, Request, RequestStatus
 from pagekv.core.invariants import check_no_leak
 from pagekv.core.policy import RequestOrder
@@ -32,6 +31,7 @@ from pagekv.core.scheduler import (
     SchedulerCounters,
     SchedulingPolicy,
 )
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 
 ABORT = RequestStatus.FINISHED_ABORTED

@@ -20,11 +20,11 @@ import pytest
 from test_engine_golden import PROMPTS
 
 from pagekv import SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_no_leak
 from pagekv.core.plan import Plan
 from pagekv.core.scheduler import PreemptionCostModel, SchedulerCounters
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError
 from pagekv.models.loader import LoadedModel
 

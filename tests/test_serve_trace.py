@@ -8,10 +8,10 @@ import openai
 import pytest
 from test_server_support import start_server
 
+from pagekv.core.trace import read_trace
 from pagekv.sim.cost_model import CostModel
 from pagekv.sim.simulator import SimConfig, simulate
 from pagekv.sim.trace import replay_trace
-from pagekv.trace import read_trace
 
 pytestmark = pytest.mark.model
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 from test_server_support import ServerProcess, nothing_in_use, start_server, wait_until
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel
 from pagekv.sampling_params import SamplingParams

@@ -15,11 +15,11 @@ from typing import Any, cast
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
+from pagekv.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 from pagekv.models.loader import LoadedModel
-from pagekv.outputs import CompletionOutput, RequestOutput
 from pagekv.sampling_params import SamplingParams
 from pagekv.server.engine_loop import EngineLoop, EngineRequest
 from pagekv.server.errors import (

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pagekv import BeamSearchParams, SamplingParams
-from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_no_leak
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError, InvariantError, PromptTooLongError
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel

@@ -1,5 +1,5 @@
-"""pagekv.trace (format, writer, reader) and pagekv.sim.trace (replay): a recorded trace replays
-with the same requests, tokens and sharing."""
+"""pagekv.core.trace (format, writer, reader) and pagekv.sim.trace (replay): a recorded trace
+replays with the same requests, tokens and sharing."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from pagekv.core.trace import TraceFormatError, TraceRecorder, block_hashes_hex, read_trace
 from pagekv.errors import InvalidRequestError
 from pagekv.sim.cli import main
 from pagekv.sim.cost_model import CostModel
 from pagekv.sim.simulator import SimConfig, simulate
 from pagekv.sim.trace import replay_trace
 from pagekv.sim.workload import SimRequest, build_workload, preset
-from pagekv.trace import TraceFormatError, TraceRecorder, block_hashes_hex, read_trace
 
 COST = CostModel(fixed_s=0.01, per_token_s=1e-4, per_padded_context_s=1e-6)
 
@@ -97,7 +97,7 @@ def test_replayed_requests_share_leading_ids_only_where_hashes_match() -> None:
 
 
 def _record(arrival: float, prompt: int, output: int, hashes: list[str]):  # type: ignore[no-untyped-def]
-    from pagekv.trace import TraceRecord
+    from pagekv.core.trace import TraceRecord
 
     return TraceRecord(arrival, prompt, output, tuple(hashes))
 

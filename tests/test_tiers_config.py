@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from store_fixtures import ServerProcess, free_port
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel

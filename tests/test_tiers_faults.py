@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from pagekv.config import EngineConfig
 from pagekv.core.invariants import check_no_leak
 from pagekv.core.request import Request
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel
 from pagekv.sampling_params import SamplingParams

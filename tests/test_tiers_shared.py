@@ -24,8 +24,8 @@ import pytest
 from store_fixtures import ServerProcess, store_spec
 from test_server_support import start_server
 
-from pagekv.config import EngineConfig
 from pagekv.engine import LLMEngine
+from pagekv.engine.config import EngineConfig
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel
 from pagekv.sampling_params import SamplingParams

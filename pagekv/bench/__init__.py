@@ -19,7 +19,7 @@ from typing import Any
 
 from pagekv.bench.report import format_table, write_json
 from pagekv.bench.workloads import Workload, load_workload
-from pagekv.engine_args import add_engine_arguments, engine_config
+from pagekv.engine.args import add_engine_arguments, engine_config
 
 __all__ = ["BENCH_KV_CACHE_MEMORY", "register", "roofline_report"]
 
@@ -74,7 +74,7 @@ def run_command(args: argparse.Namespace) -> None:
         result = run_serve(workload, serve_settings)
     else:
         from pagekv.bench.offline import run_offline, warm_up
-        from pagekv.engine import LLMEngine
+        from pagekv.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_config(args))
         warm_up(engine)

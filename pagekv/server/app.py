@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagekv.engine import LLMEngine
+from pagekv.engine.llm_engine import LLMEngine
 from pagekv.errors import InvalidRequestError, PagekvError
 from pagekv.server.errors import (
     EngineDeadError,

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from pagekv.engine import LLMEngine
-from pagekv.outputs import RequestOutput
+from pagekv.engine.llm_engine import LLMEngine
+from pagekv.engine.outputs import RequestOutput
 from pagekv.sampling_params import SamplingParams
 from pagekv.server.errors import EngineDeadError, QueueFullError
 from pagekv.server.streams import OutputStream

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagekv.outputs import CompletionOutput, RequestOutput
+from pagekv.engine.outputs import CompletionOutput, RequestOutput
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 

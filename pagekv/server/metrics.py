@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from pagekv.outputs import RequestOutput
+from pagekv.engine.outputs import RequestOutput
 
 PREFIX = "pagekv_"
 

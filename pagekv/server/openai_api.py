@@ -20,8 +20,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagekv.engine.outputs import RequestOutput
 from pagekv.errors import PagekvError
-from pagekv.outputs import RequestOutput
 from pagekv.sampling_params import SamplingParams
 from pagekv.server.engine_loop import EngineRequest
 from pagekv.server.errors import AuthenticationError, BodyTooLargeError, error_body

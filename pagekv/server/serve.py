@@ -8,7 +8,7 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 
-from pagekv.engine import LLMEngine
+from pagekv.engine.llm_engine import LLMEngine
 from pagekv.server.app import build_app
 from pagekv.server.engine_loop import EngineLoop
 from pagekv.server.metrics import Metrics

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from pagekv.engine import LLMEngine
+from pagekv.engine.llm_engine import LLMEngine
 from pagekv.server.engine_loop import EngineLoop
 from pagekv.server.errors import ModelNotFoundError
 from pagekv.server.formats import TokenNamer

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from pagekv.outputs import RequestOutput
+from pagekv.engine.outputs import RequestOutput
 
 
 class OutputStream:

@@ -25,13 +25,13 @@ Layer rule: imports pagekv.core, pagekv.errors and pagekv.sampling_params; never
 the server; torch, pagekv.runner and pagekv.models only inside ``calibrate.calibrate``.
 """
 
+from pagekv.core.trace import TraceRecorder, read_trace
 from pagekv.sim.baselines import Reservation, simulate_contiguous
 from pagekv.sim.cost_model import CostModel, StepShape
 from pagekv.sim.metrics import SimResult
 from pagekv.sim.simulator import SimConfig, simulate
 from pagekv.sim.trace import replay_trace
 from pagekv.sim.workload import LengthDist, SimRequest, WorkloadSpec, build_workload, preset
-from pagekv.trace import TraceRecorder, read_trace
 
 __all__ = [
     "CostModel",

@@ -19,13 +19,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pagekv.core.trace import TRACE_BLOCK_SIZE, read_trace
 from pagekv.errors import PagekvError
 from pagekv.sim.cost_model import CostModel
 from pagekv.sim.report import DEFAULT_BLOCK_SIZES, markdown_table, run_study, write_report
 from pagekv.sim.simulator import SimConfig
 from pagekv.sim.trace import replay_trace
 from pagekv.sim.workload import PRESETS, LengthDist, SimRequest, build_workload, preset
-from pagekv.trace import TRACE_BLOCK_SIZE, read_trace
 
 
 def _block_sizes(text: str) -> list[int]:

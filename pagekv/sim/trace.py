@@ -1,4 +1,4 @@
-"""Replaying a recorded request trace (``pagekv.trace``) in the simulator.
+"""Replaying a recorded request trace (``pagekv.core.trace``) in the simulator.
 
 Replay gives every distinct prefix-block key 16 fresh token ids, the same ids wherever that key
 recurs, and fresh ids to everything else (the prompt's tail, the outputs). Sharing is therefore
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagekv.core.trace import TRACE_BLOCK_SIZE, TraceRecord
 from pagekv.sim.workload import SimRequest, TokenIds
-from pagekv.trace import TRACE_BLOCK_SIZE, TraceRecord
 
 
 def replay_trace(records: Sequence[TraceRecord]) -> list[SimRequest]:

@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pagekv.core.request import Request, RequestStatus
-from pagekv.detokenizer import IncrementalDetokenizer
+from pagekv.engine.detokenizer import IncrementalDetokenizer
+from pagekv.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.models.tokenizer import Tokenizer
-from pagekv.outputs import CompletionOutput, RequestOutput
 from pagekv.runner.model_runner import SampledToken
 from pagekv.sampling_params import SamplingParams
 

@@ -14,10 +14,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagekv.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, Continuation
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler import Scheduler
-from pagekv.detokenizer import Decoder
+from pagekv.engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, Continuation
+from pagekv.engine.detokenizer import Decoder
 from pagekv.sampling_params import SamplingParams
 
 Release = Callable[[str], None]

@@ -17,9 +17,6 @@ from typing import Any
 
 import torch
 
-from pagekv.beam_driver import BeamDriver
-from pagekv.beam_search import BeamSearchOutput, BeamSearchParams
-from pagekv.config import EngineConfig, host_pool_bytes, parse_bytes, uses_lower_tiers
 from pagekv.core import invariants
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.request import Request, RequestStatus
@@ -31,17 +28,20 @@ from pagekv.core.scheduler import (
     SchedulingPolicy,
 )
 from pagekv.core.tier_policy import LoadCostModel
+from pagekv.core.trace import TraceRecorder, block_hashes_hex
+from pagekv.engine.beam_driver import BeamDriver
+from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagekv.engine.config import EngineConfig, host_pool_bytes, parse_bytes, uses_lower_tiers
+from pagekv.engine.outputs import RequestOutput
+from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
+from pagekv.engine.sanitizer import KVSanitizer
+from pagekv.engine.tier_setup import build_tiers, open_configured_store
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 from pagekv.models.loader import LoadedModel, load_model
-from pagekv.outputs import RequestOutput
-from pagekv.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.model_runner import ModelRunner, SampledToken, quantized_kernels_available
 from pagekv.sampling_params import SamplingParams
-from pagekv.sanitizer import KVSanitizer
-from pagekv.tier_setup import build_tiers, open_configured_store
 from pagekv.tiering.manager import TierManager
-from pagekv.trace import TraceRecorder, block_hashes_hex
 
 logger = logging.getLogger("pagekv")
 

@@ -12,12 +12,12 @@ import logging
 import time
 from dataclasses import replace
 
-from pagekv.config import EngineConfig
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import BlockTransfers, Plan, ScheduledRequest
 from pagekv.core.preemption import PreemptionCostModel
 from pagekv.core.request import Request
 from pagekv.core.tier_policy import LoadCostModel
+from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError
 from pagekv.models.loader import LoadedModel, content_fingerprint
 from pagekv.runner.model_runner import ModelRunner

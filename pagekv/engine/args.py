@@ -13,7 +13,7 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from pagekv.config import EngineConfig
+from pagekv.engine.config import EngineConfig
 
 
 def add_engine_arguments(

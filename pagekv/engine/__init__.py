@@ -1,0 +1,29 @@
+"""The engine layer: a request's life around ``LLMEngine.step()``.
+
+    llm_engine.py     LLMEngine: add_request / abort_request / step (schedule, execute, update)
+    request_group.py  a user request and its n branches; outputs, stop strings
+    beam_search.py    BeamSearchParams / BeamSearchOutput; beam_driver.py runs the beams
+    detokenizer.py    incremental text from token ids
+    outputs.py        RequestOutput / CompletionOutput (what the server and LLM API return)
+    sanitizer.py      the KV sanitizer (checks pooled K/V against a recompute)
+    tier_setup.py     the host pool and storage tier, wired from the config
+    config.py         EngineConfig; args.py maps command-line flags onto it
+
+``LLMEngine`` pulls in torch, so it is loaded on first use: importing the plain types
+(config, outputs, beam-search parameters) stays light.
+"""
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagekv.engine.llm_engine import LLMEngine
+
+__all__ = ["LLMEngine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLMEngine":
+        from pagekv.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'pagekv.engine' has no attribute {name!r}")
