@@ -1,4 +1,4 @@
-"""Fused layer ops (``models/fused_ops.py``) against torch ops, side by side in one run.
+"""Fused layer ops (``kernels/fused_ops.py``) against torch ops, side by side in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_fused_ops.py [--steps 15] [--rounds 2]
 

@@ -9,7 +9,7 @@ token each: they only need prefilling to hurt) arrive together with shorts 8, 20
 Arrivals are counted in steps, not seconds, so every run of a setting sees the same batches
 whatever the machine's load: a shared machine only changes how long steps take, not which
 requests meet in them. (With wall-clock arrivals, a slow patch makes more requests arrive per
-step, which makes steps slower still; the runs then diverge by 2-3x for identical settings.) A
+step, which makes steps slower still, and identical settings diverge.) A
 run ends when the last short request finishes; the long prompts' progress by then (prefilled
 tokens, of 6,000) is reported, since a setting could protect the short ones by starving the
 long ones.
@@ -63,7 +63,7 @@ STEPS_PER_ARRIVAL = 2
 SEED = 1234
 # Token times are read on the process's CPU clock: with one thread it is the time the steps
 # took on the core, which the other jobs of a shared machine do not inflate as they do the wall
-# clock (there, identical runs differed by 2-3x in TPOT p99). Wall time is reported per run.
+# clock (there, identical runs differ widely in TPOT p99). Wall time is reported per run.
 CLOCK = time.process_time
 
 SETTINGS: dict[str, dict[str, object]] = {

@@ -14,9 +14,9 @@ from any difference in scheduling (there should be none: same core, same request
 ``--calibrate`` first fits a cost model in this process (``pagekv sim calibrate``'s grid);
 without it the shipped default is used. Cost models are calibrated in process CPU seconds, so
 the real engine is timed both ways: wall time (what a user waits; on a shared machine it
-stretches with the neighbours' load, by up to 5x on the project's 2-core box) and the
+stretches with the neighbours' load) and the
 process's CPU time (what the steps cost on an otherwise idle core; the like-for-like figure).
-Takes 4-30 minutes per block size on that machine, depending on the neighbours.
+Takes minutes per block size, more on a loaded machine.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_tiers.py [--kv-store SPEC] [--requests 6] [--dtype float32]
 
-Workload (issue 7): every request is one 2,000-token system prompt plus a unique 50-token
+Workload: every request is one 2,000-token system prompt plus a unique 50-token
 question (raw token ids from ``numpy.random.default_rng(0)``, as in benchmarks/workloads.py),
 one greedy output token. A writer engine puts the prompt's blocks into the store first. Then,
 alternating in one run so the machine's noise hits both alike:

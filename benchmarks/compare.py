@@ -28,11 +28,11 @@ How each engine is run (model loading is outside the timing for all of them):
   with vLLM's documented CPU settings: ``VLLM_CPU_KVCACHE_SPACE`` (GiB; default 2, the same
   2 GiB of KV that pagekv's offline settings give it), ``VLLM_CPU_OMP_THREADS_BIND`` (default:
   every CPU this process may run on, as pagekv's threads; ``auto`` instead keeps one CPU per
-  worker for vLLM's scheduler process, which on this 2-CPU machine halves its compute: 293 vs
-  560 output tok/s on ``random`` bf16, measured side by side), ``VLLM_CPU_NUM_OF_RESERVED_CPU``
-  (default 0, to go with that binding), and ``LD_PRELOAD`` of tcmalloc and the venv's Intel
-  OpenMP when present. Any of them set in the caller's environment wins. Also recorded: spawn
-  -> first token and the peak memory of vLLM's whole process tree (benchmarks/peak_rss.py).
+  worker for vLLM's scheduler process, which on a 2-CPU machine halves its compute),
+  ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (default 0, to go with that binding), and ``LD_PRELOAD`` of
+  tcmalloc and the venv's Intel OpenMP when present. Any of them set in the caller's
+  environment wins. Also recorded: spawn -> first token and the peak memory of vLLM's whole
+  process tree (benchmarks/peak_rss.py).
 - llamacpp: ``llama-server`` (built by benchmarks/setup_llama_cpp.sh) on the GGUF with
   ``-np`` = ``--concurrency`` (default: every request of the workload, all in flight at once as
   the offline engines queue them), ``--kv-unified`` (one KV buffer for all slots), ``-c`` =
@@ -55,7 +55,7 @@ lengths, shared prefixes still shared within the pass): no pass reuses an earlie
 prompts. Both are stopped by PID (SIGTERM, then SIGKILL) at exit, on error too.
 
 ``--hf-limit N`` runs HF on the first N requests only (static batching of the full ``random``
-workload takes 10+ minutes per pass here) and adds a ``pagekv@N`` engine run on the same N
+workload is slow) and adds a ``pagekv@N`` engine run on the same N
 requests in the same rounds, so pagekv / hf compares like with like while pagekv / vllm stays
 on the full workload.
 """
@@ -222,7 +222,7 @@ class VllmProcess:
     first round, one pass per round, each from an empty prefix cache, and stopped (SIGSTOP, the
     whole process tree) between its passes so its idle engine loop takes no CPU from the other
     engines' rounds. Its memory sampler, a thread of this process (which runs pagekv and HF),
-    pauses meanwhile too, and reads PSS (every smaps of the tree, ~50 ms a 3 GB process) only
+    pauses meanwhile too, and reads PSS (every smaps of the tree, costly for a large process) only
     then, so that neither engine's passes pay for it. ``close`` ends it and appends its
     start-up, env, passes and tree memory to ``extras``."""
 

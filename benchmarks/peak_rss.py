@@ -8,8 +8,8 @@ this samples the tree with psutil every ``--interval`` seconds and reports the p
 - the sum of PSS (shared pages split between their sharers: the tree's real footprint),
 - the largest single process's RSS.
 Sampling can miss a spike shorter than the interval; PSS reads /proc/PID/smaps, so the PSS
-samples are taken every ``pss_every`` RSS samples (a PSS sample of a 3 GB process takes ~50 ms
-of CPU). A caller that stops the tree (SIGSTOP) between timed passes pauses the sampler
+samples are taken every ``pss_every`` RSS samples (a PSS sample of a large process takes
+noticeable CPU). A caller that stops the tree (SIGSTOP) between timed passes pauses the sampler
 meanwhile (a stopped tree's memory cannot change, and the samples would take CPU from whatever
 runs beside it) and may take the PSS samples then, with ``pss_every=0`` and ``sample``, so that
 they cost the tree's own passes nothing either.

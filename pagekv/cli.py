@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 
 from pagekv.bench import register as register_bench
-from pagekv.engine.llm_engine import LLMEngine
 from pagekv.engine.args import add_engine_arguments, engine_config
+from pagekv.engine.llm_engine import LLMEngine
 from pagekv.errors import PagekvError
 from pagekv.sampling_params import SamplingParams
 from pagekv.sim.cli import register as register_sim

@@ -12,9 +12,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagekv.engine.llm_engine import LLMEngine, PromptInput
 from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.engine.config import EngineConfig
+from pagekv.engine.llm_engine import LLMEngine, PromptInput
 from pagekv.engine.outputs import RequestOutput
 from pagekv.errors import InvalidRequestError
 from pagekv.sampling_params import SamplingParams

@@ -17,8 +17,8 @@ import torch
 
 from pagekv.bench.report import BenchResult, peak_rss_bytes
 from pagekv.bench.workloads import Workload
-from pagekv.engine.llm_engine import LLMEngine
 from pagekv.engine.config import EngineConfig
+from pagekv.engine.llm_engine import LLMEngine
 from pagekv.sampling_params import SamplingParams
 
 

@@ -2,8 +2,8 @@
 
 Owns: the fingerprints of shared blocks. Reads the KV cache manager (who shares what) and the
 runner's KV tensors (what is in them); changes neither. This is the tool for the silent
-corruption the seed note warns about: a branch that writes into a block another branch still
-reads produces no error, only wrong text. Two checks, each raising ``InvariantError`` naming the
+corruption sharing invites: a branch that writes into a block another branch still reads
+produces no error, only wrong text. Two checks, each raising ``InvariantError`` naming the
 block, its owners and the step:
 
     before execute   no token of the plan is written into a block with ref count > 1

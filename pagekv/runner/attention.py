@@ -98,7 +98,7 @@ def write_kv(
             f"{slot_mapping.shape[0]} slots"
         )
     if k_cache.is_contiguous() and v_cache.is_contiguous():
-        # A slot is a row of the flattened cache: one row copy per token (2x faster than
+        # A slot is a row of the flattened cache: one row copy per token (cheaper than
         # indexing by block and offset). view() never copies, so the writes land in the cache.
         rows = k_cache.view(-1, *k_cache.shape[2:])
         rows.index_copy_(0, slot_mapping, k.to(k_cache.dtype))

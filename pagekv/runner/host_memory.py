@@ -3,9 +3,8 @@
 Why: a prefill step's activations are tens of MB per layer (the gate/up product of 2,048 tokens
 is 12.6 MB in bf16). glibc serves blocks above 128 KiB (its threshold adapts, but only up to
 what was last freed) with fresh ``mmap`` pages and returns them to the system on ``free``, so
-each step touches new pages again: on the ``random`` workload about 400-500k page faults and
-1-1.4 s of system time per run, every fault also zeroing a page. Serving them from the heap and
-not trimming it makes later steps reuse the same pages (about 20k faults, 0.1 s); peak memory
+each step touches new pages again, and every fault also zeroes a page. Serving them from the
+heap and not trimming it makes later steps reuse the same pages; peak memory
 stays the same, since the step's tensors are the same sizes every step. vLLM reaches the same
 end by preloading tcmalloc.
 
@@ -81,8 +80,7 @@ class HugePageArena:
     """Tensors carved one after another from one mapping on 2 MiB pages, for weights packed at
     load (``LayerOps.pack``'s ``allocate``): a decode step streams every packed weight once,
     and with 4 KiB pages the hardware prefetcher stops at each page's end and every page costs
-    a TLB miss (a step's packed bf16 matmuls 2% faster at 64 rows and 8% at 16, the LM head 4%,
-    measured). Each tensor starts on a 4 KiB boundary; pages are faulted in as they are written,
+    a TLB miss. Each tensor starts on a 4 KiB boundary; pages are faulted in as they are written,
     so an arena larger than its use costs only address space. Past its end, or where huge pages
     are off or unavailable, ``empty`` is ``torch.empty``."""
 

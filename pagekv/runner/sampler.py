@@ -12,8 +12,8 @@ and the suppression)::
 
 Each seeded row draws its one uniform from that row's own generator, so a seeded request
 samples the same tokens alone or inside any batch. (vLLM's exponential race, argmax of probs
-over Exp(1) noise, needs a draw per vocabulary entry: 60 ms a step for 64 rows of 49,152 here,
-against ~3 ms for a float64 cumulative sum and a search.) Logprobs are reported under the raw
+over Exp(1) noise, needs a draw per vocabulary entry, which costs far more than a float64
+cumulative sum and a search.) Logprobs are reported under the raw
 logits (before penalties, min_tokens, temperature and filters), as vLLM reports them by default.
 
 Must not import ``pagekv.core``, ``models`` or ``server``.
@@ -194,9 +194,9 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for [B, V]: the first maximum of each row (NaN counts as the
-    maximum, as in torch). On CPU, float32 through numpy, whose SIMD argmax is ~8x faster than
-    torch's here (0.8 vs 6 ms for 64 x 49,152), and bfloat16 through the C kernel (3-4x faster
-    than widening to float32 first): one of these runs every step."""
+    maximum, as in torch). On CPU, float32 through numpy, whose SIMD argmax beats torch's, and
+    bfloat16 through the C kernel (no widening to float32 first): one of these runs every
+    step."""
     if x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.from_numpy(np.argmax(x.contiguous().numpy(), axis=-1))
     kernel = cpu_kernel.load() if x.device.type == "cpu" else None
@@ -236,10 +236,10 @@ def filter_candidates(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """``filter_sorted``'s result, bit for bit, from the ``CANDIDATES`` largest logits of each
-    row (a full sort of 64 rows of 49,152 took 128 ms a step here) wherever those decide it:
-    every kept token ranks above the last candidate's value (so no token outside the
-    candidates, or tied with their last, could be kept instead) and top-k keeps at most the
-    candidates or everything. Other rows: the full sort.
+    row (a full sort of every row of a large vocabulary would dominate the step) wherever
+    those decide it: every kept token ranks above the last candidate's value (so no token
+    outside the candidates, or tied with their last, could be kept instead) and top-k keeps at
+    most the candidates or everything. Other rows: the full sort.
 
     logits [F, V], top_k int [F] (at most V), top_p [F] -> [F, V]
     """

@@ -1,7 +1,7 @@
 """pagekv.sim: replay a workload through the real core with a cost model instead of the model.
 
-Answers the seed's question about block size, which "cannot be judged apart from the real
-workload": for each block size (and for three contiguous-reservation baselines) it reports KV
+Answers the block-size question, which cannot be judged apart from the real workload: for
+each block size (and for three contiguous-reservation baselines) it reports KV
 utilisation, fragmentation, block-table size, prefix-cache hits, preemptions, batch size,
 simulated throughput and latency, and recommends one.
 

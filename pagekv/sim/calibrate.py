@@ -107,8 +107,8 @@ class CalibrationSettings:
     quick: bool = False
     seed: int = 0
     # "process": CPU seconds of this process, what a step costs on an otherwise idle core, so
-    # a shared machine's neighbours do not leak into the model (they stretch wall time by up
-    # to 5x on the project's 2-core box); right for one torch thread. "wall": elapsed time.
+    # a shared machine's neighbours do not leak into the model (they stretch wall time on a
+    # small shared machine); right for one torch thread. "wall": elapsed time.
     clock: str = "process"
 
     def __post_init__(self) -> None:
