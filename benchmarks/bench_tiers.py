@@ -38,7 +38,7 @@ from pagekv.engine.config import EngineConfig
 from pagekv.models.loader import LoadedModel, load_model
 from pagekv.sampling_params import SamplingParams
 from pagekv.tiering.faults import SlowStore
-from pagekv.tiering.store import open_store
+from pagekv.tiering.registry import open_store
 
 PREFIX_LEN, QUESTION_LEN = 2000, 50
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

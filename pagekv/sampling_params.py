@@ -84,6 +84,15 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        """Each field group in turn; the first bad value raises."""
+        self._validate_branches()
+        self._validate_sampling()
+        self._validate_stopping()
+        self._validate_logprobs()
+        self._validate_penalties()
+
+    def _validate_branches(self) -> None:
+        """How many sequences: ``n`` and ``best_of``."""
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         if self.best_of is not None:
             _check(
@@ -91,6 +100,9 @@ class SamplingParams:
                 "best_of",
                 f"must be an integer >= n ({self.n}), got {self.best_of!r}",
             )
+
+    def _validate_sampling(self) -> None:
+        """How a token is drawn: temperature, the top-p / top-k / min-p filters, the seed."""
         _check(
             _is_finite(self.temperature) and self.temperature >= 0,
             "temperature",
@@ -118,6 +130,9 @@ class SamplingParams:
                 "seed",
                 f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
             )
+
+    def _validate_stopping(self) -> None:
+        """When a sequence ends: token counts, stop strings and stop tokens."""
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
@@ -138,12 +153,17 @@ class SamplingParams:
             "stop_token_ids",
             "must be non-negative integers",
         )
+
+    def _validate_logprobs(self) -> None:
         if self.logprobs is not None:
             _check(
                 _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
             )
+
+    def _validate_penalties(self) -> None:
+        """Presence and frequency penalties in [-2, 2]; a positive repetition penalty."""
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(

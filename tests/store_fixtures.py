@@ -27,7 +27,8 @@ import pytest
 from system_packages import require_binary, require_library
 
 from pagekv.tiering.mooncake_store import close_idle_clients
-from pagekv.tiering.store import KVStore, open_store
+from pagekv.tiering.registry import open_store
+from pagekv.tiering.store import KVStore
 
 BACKENDS = ["memory", "file", "redis", "redis-cluster", "mooncake"]
 SERVER_BACKENDS = ["redis", "redis-cluster", "mooncake"]

@@ -23,15 +23,10 @@ from store_fixtures import (
 
 from pagekv.tiering.faults import CorruptingStore, FailingStore, SlowStore
 from pagekv.tiering.file_store import FileStore
+from pagekv.tiering.memory_store import MemoryStore
 from pagekv.tiering.mooncake_store import MooncakeStore
-from pagekv.tiering.store import (
-    KVStore,
-    KVStoreError,
-    MemoryStore,
-    StoreConfigError,
-    StoreUnavailableError,
-    open_store,
-)
+from pagekv.tiering.registry import open_store
+from pagekv.tiering.store import KVStore, KVStoreError, StoreConfigError, StoreUnavailableError
 
 Key = Callable[[str], str]
 MiB = 1 << 20

@@ -24,7 +24,18 @@ def add_engine_arguments(
     tiers: bool = True,
 ) -> None:
     """The engine's options as one argument group (and the KV tier options when ``tiers``)."""
-    g = parser.add_argument_group(title)
+    group = parser.add_argument_group(title)
+    _add_model_options(group)
+    _add_kv_cache_options(group, kv_cache_memory)
+    _add_batching_options(group)
+    _add_block_reuse_options(group)
+    _add_speculation_options(group)
+    if tiers:
+        _add_tier_options(parser.add_argument_group("KV tiers"))
+
+
+def _add_model_options(g: argparse._ArgumentGroup) -> None:
+    """Which weights, in which dtype, kept quantized or not."""
     g.add_argument(
         "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
     )
@@ -37,9 +48,17 @@ def add_engine_arguments(
         "the matmul kernels), none dequantizes them to --dtype at load, auto (default) keeps "
         "them where the C kernels run",
     )
+
+
+def _add_kv_cache_options(g: argparse._ArgumentGroup, kv_cache_memory: str) -> None:
+    """The device pool: block size and how many blocks (by memory or by count)."""
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=kv_cache_memory)
     g.add_argument("--num-kv-blocks", type=int, default=None)
+
+
+def _add_batching_options(g: argparse._ArgumentGroup) -> None:
+    """What one step may hold, and the threads that run it."""
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -49,6 +68,10 @@ def add_engine_arguments(
         default=None,
         help="threads for torch and the C kernels (default: torch's, one per core)",
     )
+
+
+def _add_block_reuse_options(g: argparse._ArgumentGroup) -> None:
+    """Prefix caching, and what preemption does with a request's blocks."""
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -61,6 +84,10 @@ def add_engine_arguments(
         help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
     )
     g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
+
+
+def _add_speculation_options(g: argparse._ArgumentGroup) -> None:
+    """N-gram speculative decoding: how many tokens a draft has, and how it is looked up."""
     g.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -80,9 +107,10 @@ def add_engine_arguments(
         default=1,
         help="shortest suffix looked up for a draft (default: 1)",
     )
-    if not tiers:
-        return
-    t = parser.add_argument_group("KV tiers")
+
+
+def _add_tier_options(t: argparse._ArgumentGroup) -> None:
+    """The KV tiers below the device pool: host cache and storage."""
     t.add_argument(
         "--host-cache-memory",
         default="0",

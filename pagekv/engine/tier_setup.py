@@ -23,7 +23,8 @@ from pagekv.models.loader import LoadedModel, content_fingerprint
 from pagekv.runner.model_runner import ModelRunner
 from pagekv.sampling_params import SamplingParams
 from pagekv.tiering.manager import BlockIO, TierManager
-from pagekv.tiering.store import KVStore, KVStoreError, StoreConfigError, open_store
+from pagekv.tiering.registry import open_store
+from pagekv.tiering.store import KVStore, KVStoreError, StoreConfigError
 
 logger = logging.getLogger("pagekv")
 

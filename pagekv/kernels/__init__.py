@@ -6,6 +6,8 @@
     decode        paged decode attention, the KV write, bf16 argmax      (decode.cpp)
     prefill       attention in tiles: prefill chunks, shared prefixes    (prefill.cpp)
     fused_ops     the layer ops and the packed-weight matmuls, as LayerOps (fused_ops.cpp)
+      dense       float32/bf16 weights in stripes or tiles, their matmul (fused_ops.cpp)
+      quant       GGUF-quantized weights in stripes, their matmul        (quant.h)
     report        the system-info line: CPU features and the kernels in use
 
 Each wrapper's ``load(target=None)`` returns None (the caller keeps torch ops) where there is no

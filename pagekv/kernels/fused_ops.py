@@ -12,16 +12,17 @@ A decode layer's two halves around attention (``attention_inputs``, ``mlp_block`
 call each on bf16 decode batches: the same kernels in the same order, so the same bits, without
 nine Python calls and their new tensors.
 
-Owns the weight layouts (``pack``) and the ctypes calls. The numbers follow
-``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one rounding to the dtype
-wherever torch rounds); only the sum of squares (another order) and exp (another polynomial)
-differ, by float32 ulps. Rows are split over ``torch.get_num_threads()`` OpenMP threads once a
-call has enough work; each row is computed the same way whatever the split, so threads never
-change a bit. The stripes sum each output in one order (k ascending, one FMA chain) for any row
-count, so a row's numbers never depend on its batch; the tile kernels sum in one order for any
-row count up to 256 (the AMX one as oneDNN does up to 32 rows). So in bfloat16 with tiles a
-sequence's numbers depend, within a bf16 ulp per matmul, only on whether its batch had up to
-256 rows or more.
+Owns the choice of layout for each weight (``pack``: the dense stripes and tiles are
+``dense``'s, the quantized stripes ``quant``'s) and the ctypes calls of the layer ops. The
+numbers follow ``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one
+rounding to the dtype wherever torch rounds); only the sum of squares (another order) and exp
+(another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_num_threads()``
+OpenMP threads once a call has enough work; each row is computed the same way whatever the
+split, so threads never change a bit. The stripes sum each output in one order (k ascending,
+one FMA chain) for any row count, so a row's numbers never depend on its batch; the tile
+kernels sum in one order for any row count up to 256 (the AMX one as oneDNN does up to 32
+rows). So in bfloat16 with tiles a sequence's numbers depend, within a bf16 ulp per matmul,
+only on whether its batch had up to 256 rows or more.
 
 ``load()`` returns None (callers keep ``TorchOps``) when there is no compiler, the build fails,
 ``PAGEKV_FUSED_OPS=0`` or ``PAGEKV_CPU_ISA=none``. Imports nothing from runner/ or core/.
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from pagekv.kernels import build
-from pagekv.kernels.isa import TILE_UNITS
+from pagekv.kernels.dense import DenseKernels
 from pagekv.kernels.quant import PackedQuant, QuantKernels
 from pagekv.models import layer_ops
 from pagekv.models.quantized import QuantizedWeight
@@ -62,11 +63,6 @@ class FusedOps:
             for op in ("add_rms_norm", "split_rope", "silu_mul")
             for dtype, suffix in _SUFFIXES.items()
         }
-        self._tiled = library.tiles_linear_bf16
-        self._tiles_pack = library.tiles_pack_bf16
-        self._tiles_max_rows = int(library.tiles_linear_max_rows())  # 0: no AVX512-BF16
-        self._best_unit = int(library.tiles_linear_unit())
-        self._unit = self._best_unit  # which multiplies the tiles: 2 AMX, 1 vectors
         self._attention_inputs = library.attention_inputs_bf16
         self._mlp_block = library.mlp_block_bf16
         self._quant_attention_inputs = {
@@ -77,16 +73,8 @@ class FusedOps:
             torch.float32: library.mlp_block_quant_f32,
             torch.bfloat16: library.mlp_block_quant_bf16,
         }
-        self._stripe = int(library.stripes_width())  # columns a stripe: two vectors
-        self._stripes_pack = {
-            torch.float32: library.stripes_pack_f32,
-            torch.bfloat16: library.stripes_pack_bf16,
-        }
-        self._stripes = {
-            torch.float32: library.stripes_linear_f32,
-            torch.bfloat16: library.stripes_linear_bf16,
-        }
-        self.quant = QuantKernels(library, self._stripe)
+        self.dense = DenseKernels(library)
+        self.quant = QuantKernels(library, self.dense.stripe)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -165,20 +153,17 @@ class FusedOps:
     @property
     def matmul_unit(self) -> str | None:
         """What multiplies packed tiles: "amx", "avx512-bf16" (vectors), or None (no tiles)."""
-        return TILE_UNITS.get(self._unit) if self._tiles_max_rows else None
+        return self.dense.matmul_unit
 
     def use_matmul_unit(self, name: str) -> bool:
         """Multiply tiles on "amx" or "avx512-bf16" where this CPU has it (tests compare the
         two; the packed layout is the same). True if now in use."""
-        code = next((c for c, n in TILE_UNITS.items() if n == name), 0)
-        if 0 < code <= self._best_unit:
-            self._unit = code
-        return self._unit == code
+        return self.dense.use_matmul_unit(name)
 
     @property
     def stripe_width(self) -> int:
         """Columns of a stripe: two of the target's vectors (32 on AVX-512, 16 on AVX2)."""
-        return self._stripe
+        return self.dense.stripe
 
     def pack(
         self, weight: layer_ops.Weight, allocate: layer_ops.Allocate = layer_ops.torch_empty
@@ -193,21 +178,7 @@ class FusedOps:
         tensor from ``allocate``."""
         if isinstance(weight, QuantizedWeight):
             return self.quant.pack(weight, allocate)
-        out_features, in_features = weight.shape
-        dtype, stripe = weight.dtype, self._stripe
-        if not weight.is_contiguous() or dtype not in _SUFFIXES:
-            return layer_ops.pack(weight)
-        if self._tiles_max_rows and dtype == torch.bfloat16:
-            if out_features % 32 or in_features % 32:
-                return layer_ops.pack(weight)
-            packed = allocate((out_features // 16, in_features // 32, 16, 32), dtype)
-            self._tiles_pack(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
-            return packed
-        if out_features % stripe:
-            return layer_ops.pack(weight)
-        packed = allocate((out_features // stripe, in_features, stripe), dtype)
-        self._stripes_pack[dtype](weight.data_ptr(), packed.data_ptr(), out_features, in_features)
-        return packed
+        return self.dense.pack(weight, allocate)
 
     def linear(
         self,
@@ -225,29 +196,7 @@ class FusedOps:
         if isinstance(packed, PackedQuant):
             out = self.quant.linear(x, packed, _threads())
             return out if bias is None else out.add_(bias)
-        rows, width = x.shape
-        ours = isinstance(packed, torch.Tensor) and packed.dim() in (3, 4)  # not oneDNN's
-        if isinstance(packed, torch.Tensor) and packed.dim() == 3:
-            stripe = self._stripe
-            if packed.shape != (weight.shape[0] // stripe, width, stripe) or (
-                x.dtype != packed.dtype
-            ):
-                raise ValueError("fused linear: packed stripes do not match the weight or x")
-            if bias is None and x.is_contiguous():
-                out = torch.empty((rows, weight.shape[0]), dtype=x.dtype)
-                args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width)
-                if self._stripes[x.dtype](*args, weight.shape[0], _threads()) == 0:
-                    return out
-        if isinstance(packed, torch.Tensor) and packed.dim() == 4 and rows <= self._tiles_max_rows:
-            out_features = weight.shape[0]
-            if packed.shape != (out_features // 16, width // 32, 16, 32):
-                raise ValueError("fused linear: packed tiles do not match the weight")
-            if x.dtype == torch.bfloat16 and bias is None and x.is_contiguous():
-                out = torch.empty((rows, out_features), dtype=x.dtype)
-                args = (x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, width)
-                if self._tiled(*args, out_features, self._unit, _threads()) == 0:
-                    return out  # else (a shape the C side declines): torch
-        return layer_ops.linear(x, weight, None if ours else packed, bias)
+        return self.dense.linear(x, weight, packed, bias, _threads())
 
     def attention_inputs(
         self,
@@ -292,7 +241,7 @@ class FusedOps:
             else:
                 weights = (_packed(qkv.packed),)
                 status = self._attention_inputs(
-                    *inputs, eps, *weights, *tables, *outputs, *shape, self._unit, _threads()
+                    *inputs, eps, *weights, *tables, *outputs, *shape, self.dense.unit, _threads()
                 )
             if status == 0:
                 return q, k, v, residual
@@ -348,7 +297,7 @@ class FusedOps:
                     _packed(gate_up.packed),
                     _packed(down.packed),
                     *shape,
-                    self._unit,
+                    self.dense.unit,
                     _threads(),
                 )
             if status == 0:
@@ -380,7 +329,7 @@ class FusedOps:
         ):
             quant_ok = rows <= ONE_CALL_MAX_ROWS and residual.dtype in _SUFFIXES
             return "quant" if quant_ok else None
-        dense_ok = rows <= (self._tiles_max_rows or ONE_CALL_MAX_ROWS)
+        dense_ok = rows <= (self.dense.tiles_max_rows or ONE_CALL_MAX_ROWS)
         return "dense" if dense_ok and self._fits_dense(residual, linears) else None
 
     def _fits_dense(self, residual: torch.Tensor, linears: tuple[layer_ops.Linear, ...]) -> bool:
@@ -392,16 +341,9 @@ class FusedOps:
                 return False
             if bias is not None or weight.dtype != torch.bfloat16:
                 return False
-            if packed.shape != self._decode_layout(out_features, in_features):
+            if packed.shape != self.dense.decode_layout(out_features, in_features):
                 return False
         return True
-
-    def _decode_layout(self, out_features: int, in_features: int) -> tuple[int, ...]:
-        """The packed bf16 shape the C layer halves multiply: tiles where the target has
-        them, else stripes."""
-        if self._tiles_max_rows:
-            return (out_features // 16, in_features // 32, 16, 32)
-        return (out_features // self._stripe, in_features, self._stripe)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not (

@@ -14,6 +14,8 @@ Layout (arrows point down; nothing here imports runner/, core/ or server/):
                       ops in C++ are pagekv.kernels.fused_ops, which the runner opts in to
         rope          cos/sin table, rope scaling
         config        ModelConfig (frozen, validated)
+          registry    architecture name -> Architecture (model class, GGUF tensor names);
+                      the one place an architecture is registered
 """
 
 from pagekv.models.config import ModelConfig

@@ -2,7 +2,8 @@
 
 Owns the validation of sizes and of the RoPE scaling description (the frozen form of Hugging
 Face's `rope_scaling` dict). Loaders build one from config.json or GGUF metadata; the model and
-the KV cache size themselves from it. Imports no torch.
+the KV cache size themselves from it. Its model types are the registry's architecture names
+(registry.py). Imports no torch.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagekv.errors import ModelLoadError
+from pagekv.models.registry import architecture_names
 
-MODEL_TYPES = ("llama", "qwen2", "mistral")
 # rope_scaling "type"/"rope_type" values we implement; "default" means no scaling at all.
 ROPE_SCALING_TYPES = ("llama3", "linear")
 
@@ -23,7 +24,7 @@ RopeScaling = tuple[tuple[str, object], ...]
 class ModelConfig:
     """Sizes and hyper-parameters of a decoder-only Llama-family model."""
 
-    model_type: str  # "llama" | "qwen2" | "mistral"
+    model_type: str  # a registered architecture: "llama", "qwen2", "mistral", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,8 +40,9 @@ class ModelConfig:
     attention_bias: bool  # Qwen2-style bias on q/k/v
 
     def __post_init__(self) -> None:
-        if self.model_type not in MODEL_TYPES:
-            raise ModelLoadError(f"unknown model type {self.model_type!r}; known: {MODEL_TYPES}")
+        known = architecture_names()
+        if self.model_type not in known:
+            raise ModelLoadError(f"unknown model type {self.model_type!r}; known: {known}")
         for name in (
             "vocab_size",
             "hidden_size",

@@ -1,9 +1,11 @@
 """From an opened GGUF file to a ModelConfig and a stream of weights under Hugging Face names.
 
-Owns the translation of llama.cpp's conventions to HF's: metadata keys, tensor names, and the
-row permutation llama.cpp's converter applies to attn_q / attn_k for the llama architecture
-(it reorders each head's rows for interleaved-pair RoPE; we use HF's half-split RoPE).
-Byte-level parsing lives in gguf_file; the tokenizer is built in tokenizer.
+Owns the translation of llama.cpp's conventions to HF's: metadata keys, and undoing the row
+permutation llama.cpp's converter applies to attn_q / attn_k for some architectures (it
+reorders each head's rows for interleaved-pair RoPE; we use HF's half-split RoPE). Which
+architectures a file may say, their tensor names and whether they are permuted are each
+architecture's ``registry.Architecture``. Byte-level parsing lives in gguf_file; the tokenizer
+is built in tokenizer.
 """
 
 from __future__ import annotations
@@ -17,29 +19,7 @@ from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig, freeze_rope_scaling
 from pagekv.models.gguf_file import GGUFFile, GGUFTensorInfo
 from pagekv.models.quantized import FORMATS, QUANT_ROW_MULTIPLE, QuantizedWeight, Segment
-
-SUPPORTED_ARCHS = ("llama", "qwen2")
-
-_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
+from pagekv.models.registry import gguf_architecture
 
 # The tensors that are matmul weights (llama.cpp's names; token_embd is the tied LM head).
 _MATMUL_WEIGHTS = frozenset(
@@ -80,18 +60,17 @@ def _float(gguf: GGUFFile, key: str, default: float) -> float:
     return float(value)
 
 
-def gguf_architecture(gguf: GGUFFile) -> str:
+def architecture_name(gguf: GGUFFile) -> str:
+    """The file's ``general.architecture``, a registered one (else ModelLoadError)."""
     arch = _require(gguf, "general.architecture")
-    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(
-            f"{gguf.path}: unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHS}"
-        )
+    gguf_architecture(arch, gguf.path)
+    assert isinstance(arch, str)  # a registered name
     return arch
 
 
 def gguf_config(gguf: GGUFFile) -> ModelConfig:
     """The ModelConfig that GGUF metadata (and the tensor directory) describe."""
-    arch = gguf_architecture(gguf)
+    arch = architecture_name(gguf)
     embed = gguf.tensors.get("token_embd.weight")
     if embed is None:
         raise ModelLoadError(f"{gguf.path}: missing tensor 'token_embd.weight'")
@@ -130,17 +109,6 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> tuple[tuple[str, object], ...] |
         raise ModelLoadError(f"{gguf.path}: {exc}") from exc
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF checkpoint name for a llama.cpp tensor name (None if we do not know it)."""
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    prefix, _, rest = gguf_name.partition(".")
-    layer, _, suffix = rest.partition(".")
-    if prefix != "blk" or not layer.isdigit() or suffix not in _LAYER_TENSORS:
-        return None
-    return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
-
-
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's permute of attn_q/attn_k rows (weight [heads*head_dim, in] or bias).
 
@@ -170,13 +138,16 @@ def gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """(HF name, weight) for every tensor of the file: a float32 tensor dequantized one at a
     time, or with ``keep_quantized`` the blocks themselves where ``keeps_quantized``."""
+    arch = gguf_architecture(config.model_type, gguf.path)
+    names = arch.gguf
+    assert names is not None  # gguf_architecture refuses architectures without GGUF names
     heads_of = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for name, info in gguf.tensors.items():
-        target = hf_name(name)
+        target = names.hf_name(name)
         if target is None:
             raise ModelLoadError(f"{gguf.path}: unexpected tensor {name!r}")
         kind = name.split(".")[-2]
-        permuted = config.model_type == "llama" and kind in heads_of
+        permuted = arch.gguf_rope_permuted and kind in heads_of
         if keep_quantized and keeps_quantized(info):
             blocks = gguf.blocks(name)
             if permuted:  # whole rows move: a block never spans two

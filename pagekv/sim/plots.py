@@ -1,7 +1,9 @@
 """PNG plots of a block-size study, and the block timeline picture.
 
 Owns the figures only; matplotlib is imported inside each function (Agg backend, no display),
-so importing pagekv.sim does not load it. Must not import torch, the engine or the server.
+so importing pagekv.sim does not load it. Must not import torch, the engine or the server. A
+study is read through ``PlottedStudy`` (``report.Study`` is one): the report writes the plots,
+so the plots do not import the report.
 
     util_hit.png         KV utilisation and prefix-cache hit rate vs block size
     throughput.png       simulated throughput vs block size, baselines as lines
@@ -12,13 +14,43 @@ so importing pagekv.sim does not load it. Must not import torch, the engine or t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagekv.sim.metrics import EVICTABLE, FREE, OWNER_BASE, SHARED, BlockTimeline, SimResult
 
 if TYPE_CHECKING:
-    from pagekv.sim.report import Study
+    from pagekv.sim.simulator import SimConfig
+
+
+class Recommended(Protocol):
+    """The recommendation, as the plots mark it."""
+
+    @property
+    def block_size(self) -> int: ...
+
+
+class PlottedStudy(Protocol):
+    """What the plots read of a block-size study."""
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def config(self) -> SimConfig: ...
+
+    @property
+    def paged(self) -> Sequence[SimResult]: ...
+
+    @property
+    def baselines(self) -> Sequence[SimResult]: ...
+
+    @property
+    def recommendation(self) -> Recommended: ...
+
+    @property
+    def timeline(self) -> SimResult | None: ...
 
 
 def _pyplot() -> Any:
@@ -30,7 +62,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def write_plots(study: Study, out: Path) -> list[Path]:
+def write_plots(study: PlottedStudy, out: Path) -> list[Path]:
     paths = [
         plot_util_hit(study, out / "util_hit.png"),
         plot_throughput(study, out / "throughput.png"),
@@ -49,7 +81,7 @@ def _block_axis(ax: Any, sizes: list[int]) -> None:
     ax.grid(True, alpha=0.3)
 
 
-def plot_util_hit(study: Study, path: Path) -> Path:
+def plot_util_hit(study: PlottedStudy, path: Path) -> Path:
     plt = _pyplot()
     sizes = [r.block_size or 0 for r in study.paged]
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
@@ -66,7 +98,7 @@ def plot_util_hit(study: Study, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_throughput(study: Study, path: Path) -> Path:
+def plot_throughput(study: PlottedStudy, path: Path) -> Path:
     plt = _pyplot()
     sizes = [r.block_size or 0 for r in study.paged]
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
@@ -82,7 +114,7 @@ def plot_throughput(study: Study, path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_memory_timeline(study: Study, path: Path) -> Path:
+def plot_memory_timeline(study: PlottedStudy, path: Path) -> Path:
     """Slots reserved (solid) and tokens stored (dashed) for the recommended block size and
     each baseline: the gap between a pair of lines is the memory that holds no token."""
     plt = _pyplot()

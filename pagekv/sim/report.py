@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pagekv.sim import plots
 from pagekv.sim.baselines import Reservation, simulate_contiguous
 from pagekv.sim.cost_model import CostModel
 from pagekv.sim.metrics import SimResult
@@ -218,8 +219,6 @@ def to_json(study: Study) -> dict[str, object]:
 
 def write_report(study: Study, out_dir: str | Path) -> list[Path]:
     """report.md, results.json and the PNG plots under ``out_dir``; returns the paths."""
-    from pagekv.sim import plots
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = plots.write_plots(study, out)

@@ -6,7 +6,8 @@ large and any key is a safe file name). A value is written to a temporary file i
 directory, optionally fsynced, then published with ``os.link(tmp, final)``: the link fails if the
 key already exists (first write wins, across threads and processes) and a reader never sees a
 partly written file. Values are stored as given; corruption is detected one level up
-(``pagekv.tiering.blob``).
+(``pagekv.tiering.blob``). Specs: ``file:DIR``, ``file://DIR`` and the bare paths that
+``registry`` hands here (``open_spec``).
 """
 
 from __future__ import annotations
@@ -120,3 +121,14 @@ class FileStore:
 
     def close(self) -> None:
         self._closed = True
+
+
+def open_spec(spec: str, timeout_s: float) -> FileStore:
+    """The store of a ``file:DIR`` or ``file://DIR`` spec, or of a bare path (``timeout_s``
+    does not apply: every call is a local file operation)."""
+    path = spec
+    if spec.startswith("file:"):
+        path = spec.removeprefix("file:").removeprefix("//")  # file://rel and file:///abs too
+    if not path:
+        raise StoreConfigError(f"store spec {spec!r} names no directory")
+    return FileStore(os.path.expanduser(path))

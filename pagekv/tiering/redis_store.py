@@ -8,7 +8,8 @@ a timed-out command once) and a command that lost its connection is retried once
 server fails fast and a restarted one is picked up by the same object (the connection pool
 reconnects lazily). redis-py's errors surface as StoreUnavailableError (connection, timeout,
 cluster, loading, read-only, out of memory) or KVStoreError (anything else); the client is
-thread-safe (a connection pool behind it).
+thread-safe (a connection pool behind it). Specs: ``redis://[:PASSWORD@]HOST:PORT[/DB]`` and
+``redis-cluster://[:PASSWORD@]HOST:PORT`` (``open_spec``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -30,7 +32,12 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from pagekv.tiering.store import KVStoreError, StoreUnavailableError
+from pagekv.tiering.store import (
+    KVStoreError,
+    StoreConfigError,
+    StoreUnavailableError,
+    split_address,
+)
 
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
     redis.ConnectionError,
@@ -134,3 +141,19 @@ class RedisStore:
             self._closed = True
             with suppress(RedisError, RedisClusterException, OSError):
                 self._r.close()
+
+
+def open_spec(spec: str, timeout_s: float) -> RedisStore:
+    """The store of a ``redis://`` or ``redis-cluster://`` spec (a cluster has only db 0)."""
+    cluster = spec.startswith("redis-cluster://")
+    host, port, path, query = split_address(spec, 6379)
+    if query:
+        raise StoreConfigError(f"bad store spec {spec!r}: no query parameters are accepted")
+    db_text = path.strip("/") or "0"
+    if not db_text.isdigit() or (cluster and db_text != "0"):
+        raise StoreConfigError(f"bad store spec {spec!r}: the database must be a number")
+    parts = urlsplit(spec)
+    password = unquote(parts.password) if parts.password else None
+    return RedisStore(
+        host, port, db=int(db_text), cluster=cluster, password=password, timeout_s=timeout_s
+    )

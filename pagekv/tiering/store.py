@@ -1,8 +1,10 @@
-"""The storage tier's contract: the ``KVStore`` protocol, its errors, ``open_store``, MemoryStore.
+"""The storage tier's contract: the ``KVStore`` protocol, its errors, and what backends share.
 
 Owns: what every backend promises (keys -> bytes, first write wins, thread safety, errors as
-``KVStoreError`` subclasses only) and the spec strings that name a backend. The backends live in
-sibling modules and are imported lazily, so ``redis`` or ``mooncake`` is only needed when used.
+``KVStoreError`` subclasses only), the ``Opener`` a backend module provides, and the parsing of
+``scheme://HOST:PORT`` addresses that the server backends share. Every backend imports this
+module and nothing here imports a backend, so it stays light: the standard library only. Which
+spec names which backend is ``registry``'s.
 
 Semantics every backend keeps:
 - keys are short ASCII strings (content addresses), values opaque bytes;
@@ -15,18 +17,11 @@ Semantics every backend keeps:
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from pagekv.errors import PagekvError
-
-ACCEPTED_SPECS = (
-    "'memory', 'file:DIR' (or an absolute or ./relative path), 'redis://HOST:PORT[/DB]', "
-    "'redis-cluster://HOST:PORT', 'mooncake://HOST:PORT'"
-)
 
 
 class KVStoreError(PagekvError):
@@ -63,62 +58,13 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
-class MemoryStore:
-    """A dict behind a lock: the reference backend, and the one for tests of the layers above."""
-
-    name = "memory"
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def _check(self) -> None:
-        if self._closed:
-            raise StoreUnavailableError("memory store is closed")
-
-    def exists(self, key: str) -> bool:
-        return self.batch_exists([key])[0]
-
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        with self._lock:
-            self._check()
-            return [k in self._data for k in keys]
-
-    def get(self, key: str) -> bytes | None:
-        return self.batch_get([key])[0]
-
-    def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        with self._lock:
-            self._check()
-            return [self._data.get(k) for k in keys]
-
-    def put(self, key: str, value: bytes) -> bool:
-        return self.batch_put([(key, value)])[0]
-
-    def batch_put(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
-        with self._lock:
-            self._check()
-            out = []
-            for key, value in items:
-                new = key not in self._data
-                if new:
-                    self._data[key] = bytes(value)
-                out.append(new)
-            return out
-
-    def remove(self, key: str) -> bool:
-        with self._lock:
-            self._check()
-            return self._data.pop(key, None) is not None
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._data.clear()
+# A backend module's ``open_spec(spec, timeout_s)``: the store a whole spec names (its scheme
+# already matched); StoreConfigError for a spec it cannot accept, StoreUnavailableError for a
+# server it cannot reach.
+Opener = Callable[[str, float], KVStore]
 
 
-def _host_port(spec: str, default_port: int) -> tuple[str, int, str, dict[str, str]]:
+def split_address(spec: str, default_port: int) -> tuple[str, int, str, dict[str, str]]:
     """Split 'scheme://HOST:PORT/PATH?QUERY' into host, port, path and query (StoreConfigError)."""
     try:
         parts = urlsplit(spec)
@@ -129,80 +75,3 @@ def _host_port(spec: str, default_port: int) -> tuple[str, int, str, dict[str, s
     if not parts.hostname:
         raise StoreConfigError(f"bad store spec {spec!r}: no host")
     return parts.hostname, port, parts.path, query
-
-
-def _open_redis(spec: str, cluster: bool, timeout_s: float) -> KVStore:
-    from pagekv.tiering.redis_store import RedisStore
-
-    host, port, path, query = _host_port(spec, 6379)
-    if query:
-        raise StoreConfigError(f"bad store spec {spec!r}: no query parameters are accepted")
-    db_text = path.strip("/") or "0"
-    if not db_text.isdigit() or (cluster and db_text != "0"):
-        raise StoreConfigError(f"bad store spec {spec!r}: the database must be a number")
-    parts = urlsplit(spec)
-    password = unquote(parts.password) if parts.password else None
-    return RedisStore(
-        host, port, db=int(db_text), cluster=cluster, password=password, timeout_s=timeout_s
-    )
-
-
-def _open_mooncake(spec: str, timeout_s: float) -> KVStore:
-    from pagekv.tiering.mooncake_store import MooncakeStore
-
-    host, port, path, query = _host_port(spec, 50051)
-    if path.strip("/"):
-        raise StoreConfigError(f"bad store spec {spec!r}: no path is accepted")
-    mib = 1 << 20
-    known = {"segment_mb", "transfer_mb", "local_buffer_mb", "local_hostname"}
-    if set(query) - known:
-        raise StoreConfigError(
-            f"bad store spec {spec!r}: unknown option(s) {sorted(set(query) - known)}; "
-            f"accepted: {sorted(known)}"
-        )
-    try:
-        sizes = {k: int(query[k]) * mib for k in known - {"local_hostname"} if k in query}
-    except ValueError:
-        raise StoreConfigError(f"bad store spec {spec!r}: sizes are whole MiB") from None
-    return MooncakeStore(
-        f"{host}:{port}",
-        timeout_s=timeout_s,
-        local_hostname=query.get("local_hostname", "127.0.0.1"),
-        segment_bytes=sizes.get("segment_mb", 128 * mib),
-        transfer_bytes=sizes.get("transfer_mb", 32 * mib),
-        local_buffer_bytes=sizes.get("local_buffer_mb", 16 * mib),
-    )
-
-
-def open_store(spec: str, *, timeout_s: float = 5.0) -> KVStore:
-    """Open the store that ``spec`` names; raises StoreConfigError for a spec it cannot accept.
-
-    A server that cannot be reached at open time raises StoreUnavailableError.
-    """
-    if timeout_s <= 0:
-        raise StoreConfigError(f"timeout_s must be positive, got {timeout_s}")
-    spec = spec.strip()
-    if spec == "memory":
-        return MemoryStore()
-    scheme, sep, _ = spec.partition("://")
-    if sep:
-        if scheme == "redis":
-            return _open_redis(spec, cluster=False, timeout_s=timeout_s)
-        if scheme == "redis-cluster":
-            return _open_redis(spec, cluster=True, timeout_s=timeout_s)
-        if scheme == "mooncake":
-            return _open_mooncake(spec, timeout_s)
-        if scheme != "file":
-            raise StoreConfigError(f"unknown store scheme in {spec!r}; accepted: {ACCEPTED_SPECS}")
-    if spec.startswith("file:"):
-        path = spec.removeprefix("file:")
-        path = path.removeprefix("//")  # file://rel and file:///abs as well as file:DIR
-    elif spec.startswith(("/", "./", "../", "~")):
-        path = spec
-    else:
-        raise StoreConfigError(f"unknown store spec {spec!r}; accepted: {ACCEPTED_SPECS}")
-    if not path:
-        raise StoreConfigError(f"store spec {spec!r} names no directory")
-    from pagekv.tiering.file_store import FileStore
-
-    return FileStore(os.path.expanduser(path))
