@@ -5,8 +5,7 @@ Owns the kernel's source, its flags and the ctypes call; the build and its cache
 history through the block table into new tensors costs a copy of every K/V byte per layer per
 step; this kernel reads each cached K/V row in place, once. The same library writes a step's
 new K/V rows into their slots (``DecodeKernel.write_kv``): one call instead of two indexed
-copies, with the scattered destination rows requested ahead (0.30-0.35 s vs 0.66-0.76 s per
-`random` run, measured).
+copies, with the scattered destination rows requested ahead.
 
 ``load()`` returns None (and the caller falls back to torch ops) when there is no compiler, the
 build fails, or ``PAGEKV_CPU_KERNEL=0``. Must not import ``pagekv.core``, ``models`` or ``server``.

@@ -12,7 +12,7 @@ C ops, the model itself never chooses.
 A layer calls two composites, the halves around attention (``attention_inputs``: norm, qkv,
 RoPE; ``mlp_block``: output projection, norm, MLP), which the functions of the same names here
 compose from the ops above; an implementation may run a half in one go (the C ops do for decode
-batches: a 1-8 row decode step 3-5% faster, 64 rows 2%, measured) as long as the numbers are
+batches, saving a call per op) as long as the numbers are
 those of the composition. Imports nothing from runner/ or core/.
 """
 
@@ -80,8 +80,8 @@ def dense(weight: Weight, dtype: torch.dtype) -> torch.Tensor:
 def pack(weight: Weight, allocate: Allocate = torch_empty) -> torch.Tensor | None:
     """oneDNN's prepacked copy of a bf16 or float32 [out, in] weight; None for other dtypes or
     builds. In bf16 torch's own matmul is oneDNN's, so the numbers are the same; in float32
-    torch's is MKL's sgemm, which oneDNN's packed kernels beat 1.7-2.5x at 8-64 rows on AMD Zen
-    (measured; MKL takes a slow path there), with float32 sums in another order. oneDNN
+    torch's is MKL's sgemm, which oneDNN's packed kernels beat at decode sizes on AMD Zen
+    (MKL takes a slow path there), with float32 sums in another order. oneDNN
     allocates its copy itself: ``allocate`` is not used. None for quantized blocks."""
     if isinstance(weight, QuantizedWeight) or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
@@ -99,7 +99,7 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through ``packed`` (oneDNN's prepacked copy of ``weight``)
     for decode-sized x in bf16 (the same numbers), for any x in float32 (where oneDNN beats
-    MKL's sgemm at prefill sizes too: 1.13-1.25x at 512-2048 rows on AMD Zen, measured).
+    MKL's sgemm at prefill sizes too, on AMD Zen).
     Quantized blocks are dequantized for the call (``dense``)."""
     if not isinstance(packed, torch.Tensor) or (
         x.shape[0] > PACKED_MAX_ROWS and x.dtype != torch.float32

@@ -32,7 +32,7 @@ What the library does, as observed with 0.3.13.post1 (codes from mooncake-store'
   its ``timeout_s`` unless already set). So every call runs on a small worker pool and the
   caller waits at most ``timeout_s`` (data calls release the GIL), and after a failure each call
   first probes the master's port with a TCP connect, so a dead master fails the call at once.
-- ``setup`` holds the GIL and retries 20 times (about 90 s) against an absent master: the master
+- ``setup`` holds the GIL and retries for a long time against an absent master: the master
   port is probed with a TCP connect first, and ``MC_STORE_CLIENT_SETUP_RETRIES`` is set to 1
   (unless already set). A master that accepts connections but hangs still blocks open for about
   ``timeout_s`` per RPC of the set-up.
@@ -173,7 +173,7 @@ def _connect(
 
 
 def close_idle_clients() -> int:
-    """Really close the library clients kept for reuse (1-2 s each, holding the GIL)."""
+    """Really close the library clients kept for reuse (slow, and each holds the GIL)."""
     with _IDLE_LOCK:
         idle = [c for clients in _IDLE.values() for c in clients]
         _IDLE.clear()
