@@ -66,8 +66,8 @@ def manager_state(manager: KVCacheManager) -> dict[str, Any]:
             list(m._swap_out),
             list(m._swap_in),
             list(m._copies),
-            list(m._saves),
-            list(m._loads),
+            list(m.tier_state._saves),
+            list(m.tier_state.pending_loads),
         ),
         "twins": (dict(m._host_twin), dict(m._device_twin)),
         "counters": (

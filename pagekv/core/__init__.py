@@ -9,7 +9,8 @@ Glossary:
   and a shared block is never written: copy-on-write gives the writer its own block first.
 - prefix cache: full, computed blocks indexed by a hash chain over their tokens; unreferenced
   cached blocks are EVICTABLE and still hit until reused.
-- tier: where a block's K/V lives: device pool, host pool (swap, host cache), storage.
+- tier: where a block's K/V lives: device pool, host pool (swap, host cache), storage. What
+  is written down, and when (the write policy), is the tier state's (``TierState``).
 """
 
 from pagekv.core.block_pool import BlockPool, BlockState

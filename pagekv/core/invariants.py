@@ -131,11 +131,12 @@ def _check_host_cache(manager: KVCacheManager, host: BlockPool) -> None:
         if cached:
             _fail("a swap-only host pool holds prefix-cache entries", host, cached)
         return
-    filling = [*manager._loads, *(h for h in manager._swap_out if host._hash[h] is not None)]
+    loads = manager.tier_state.pending_loads
+    filling = [*loads, *(h for h in manager._swap_out if host._hash[h] is not None)]
     bad = [h for h in filling if manager._host_pins[h] < 1]
     if bad:
         _fail("a host block being filled (load or offload) is not pinned", host, bad)
-    for h, block_hash in manager._loads.items():
+    for h, block_hash in loads.items():
         if host._hash[h] != block_hash:
             _fail(f"host block {h} loads a hash it does not carry", host, [h])
 

@@ -1,8 +1,10 @@
 """The KV cache manager: block tables, prefix hits, growth, fork, copy-on-write, swap.
 
 Owns: every request's block table (device, or host while swapped), the pins that keep transfer
-sources alive, and the pending transfers. The ``BlockPool``s own reference counts. The scheduler
-calls this facade; the runner only sees the ``BlockTransfers`` it hands out. Must not import torch.
+sources alive, and the pending swaps and copies. The ``BlockPool``s own reference counts; the
+``TierState`` (core/tier_state.py) owns the tiers below the device: the write policy, the
+pending storage saves and loads, the tier counters. The scheduler calls this facade; the
+runner only sees the ``BlockTransfers`` it hands out. Must not import torch.
 
 Token positions map to slots through the table (block size B = 4 here)::
 
@@ -16,34 +18,30 @@ ref count is > 1, ``append_slots`` gives it a fresh block, remaps its table, and
 (src, dst); the runner copies src -> dst before the forward pass writes the new token.
 
 The host pool has two uses and one accounting: swapped requests' blocks (in use) and, with a
-write policy, a host prefix cache (hashed blocks, evictable LRU, like the device's). A prefix
-block therefore lives on the device, the host, in storage, or several: the two pools' hash
-indexes say where (``residency``); the storage tier's own record is the tier manager's. Blocks
-move down by ``WritePolicy`` (offloads are swap-outs of hashed blocks; storage writes are
-``StorageWrite``s) and up as prefix hits: a host hit is a swap-in into a fresh device block, a
-prefetched storage block a ``load`` into a fresh host block (``load_host``).
+write policy, a host prefix cache (hashed blocks, evictable LRU, like the device's). The manager
+tells the tier state when it commits a block, takes a prefix hit or releases a host block; the
+tier state fills host-cache blocks through the manager's host pins and swap-out queue (an
+offload is a swap-out of a hashed block).
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from pagekv.core.block_pool import BlockHash, BlockPool
-from pagekv.core.plan import BlockTransfers, StorageWrite
+from pagekv.core.plan import BlockTransfers
 from pagekv.core.prefix_cache import extend_hash_chain
 from pagekv.core.request import Request
 from pagekv.core.tier_policy import TierCounters, WritePolicy
+from pagekv.core.tier_state import Hit, Load, TierState
 from pagekv.core.usage import KVUsage
 from pagekv.errors import InvalidRequestError, PromptTooLongError, UnknownRequestError
 
 
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
-
-
-Hit = tuple[int, bool]  # (block id, on_host): one logical block of a prefix hit
 
 
 @dataclass
@@ -94,20 +92,7 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
-        # Lower tiers: None keeps the host pool for swapping only and writes nothing to storage.
-        self.write_policy = None if write_policy is None else WritePolicy.parse(write_policy)
-        self.host_caching = self.write_policy is not None and self.host_pool is not None
-        self.write_storage = write_storage and self.write_policy is not None
-        self.tier = TierCounters()
-        self._saves: dict[BlockHash, StorageWrite] = {}
-        self._loads: dict[int, BlockHash] = {}  # host block <- storage (payload staged outside)
-        self._hit_counts: OrderedDict[BlockHash, int] = OrderedDict()  # write_through_selective
-        # Checks a host-cache block's bytes against what was put there (the tier manager's).
-        self.verify_host: Callable[[int, BlockHash], bool] | None = None
-        if self.write_policy is WritePolicy.WRITE_BACK:
-            self.pool.on_evict = self._on_device_evict
-            if self.host_pool is not None:
-                self.host_pool.on_evict = self._on_host_evict
+        self._tiers = TierState(self.pool, self.host_pool, write_policy, write_storage, self)
 
     # ---- queries --------------------------------------------------------------------------------
 
@@ -121,9 +106,7 @@ class KVCacheManager:
         return self._table(request_id).blocks
 
     def host_block_table(self, request_id: str) -> list[int]:
-        if request_id not in self._host_tables:
-            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
-        return self._host_tables[request_id].blocks
+        return self._host_table(request_id).blocks
 
     def request_ids(self) -> list[str]:
         return list(self._tables)
@@ -148,6 +131,10 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    @property
+    def num_host_blocks(self) -> int:
+        return 0 if self.host_pool is None else self.host_pool.num_blocks
+
     def num_cached_tokens(self, request: Request) -> int:
         """Tokens of ``request`` a new allocation would find in the prefix cache (pure)."""
         return len(self._find_hits(request)) * self.block_size
@@ -161,37 +148,26 @@ class KVCacheManager:
         """The hashes of the request's full blocks a prefix hit may cover (all but the last
         token's block), computing any the request does not have yet."""
         max_blocks = (request.num_target_tokens - 1) // self.block_size
-        chain = request.block_hashes
-        if len(chain) < max_blocks:
-            tokens = request.all_token_ids[: max_blocks * self.block_size]
-            extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
-        return chain[:max_blocks]
+        return self._hash_chain(request, max_blocks)[:max_blocks]
 
     def residency(self, block_hash: BlockHash) -> tuple[int | None, int | None]:
         """Where a prefix block's K/V lives in memory: (device block, host block), each or None."""
-        host_pool = self.host_pool if self.host_caching else None
-        host = host_pool.lookup(block_hash) if host_pool is not None else None
-        return self.pool.lookup(block_hash), host
+        return self._tiers.residency(block_hash)
+
+    def _hash_chain(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The request's hash chain, extended to cover at least ``num_blocks`` full blocks."""
+        chain = request.block_hashes
+        if len(chain) < num_blocks:
+            tokens = request.all_token_ids[: num_blocks * self.block_size]
+            extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
+        return chain
 
     def _find_hits(self, request: Request) -> list[Hit]:
         # Hits cover whole blocks before the last target token: that token is always computed
         # (so the request samples from fresh logits and never writes into a block it found).
-        # Each block is found on the device, or else in the host cache; the first miss ends it.
         if not self.enable_prefix_caching:
             return []
-        lookup = self.pool.lookup
-        host_lookup = self.host_pool.lookup if self.host_caching and self.host_pool else None
-        hits: list[Hit] = []
-        for block_hash in self.prefix_chain(request):
-            block_id = lookup(block_hash)
-            if block_id is not None:
-                hits.append((block_id, False))
-                continue
-            block_id = host_lookup(block_hash) if host_lookup is not None else None
-            if block_id is None:
-                break
-            hits.append((block_id, True))
-        return hits
+        return self._tiers.find_hits(self.prefix_chain(request))
 
     def _num_missing(self, request: Request, hits: list[Hit], num_new_tokens: int) -> int:
         """Device blocks to allocate: for the new tokens and for every host hit."""
@@ -219,7 +195,7 @@ class KVCacheManager:
         result may be fewer tokens than ``num_cached_tokens`` promised.
         """
         self._check_new(request, num_new_tokens)
-        hits = self._verified(self._find_hits(request))
+        hits = self._tiers.verified(self._find_hits(request))
         num_missing = self._num_missing(request, hits, num_new_tokens)
         if num_missing > self._room(hits):
             return None
@@ -237,7 +213,6 @@ class KVCacheManager:
                 dst = next(fresh)
                 self._swap_in[dst] = b
                 blocks.append(dst)
-                self.tier.host_hit_blocks += 1
             else:
                 blocks.append(b)
         blocks.extend(fresh)
@@ -246,35 +221,16 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += num_hit_tokens
-        if self.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
-            for (b, on_host), block_hash in zip(hits, request.block_hashes, strict=False):
-                self._count_hit(b, on_host, block_hash)
+        self._tiers.on_prefix_hit(hits, request.block_hashes)
         return num_hit_tokens
 
-    def _verified(self, hits: list[Hit]) -> list[Hit]:
-        """Cut the hits at the first host block that fails ``verify_host`` (and drop that block).
-
-        A host block whose K/V is still on its way in (an offload or load of a plan not yet
-        taken) is not checked: it will be filled straight from a verified source first.
-        """
-        if self.verify_host is None or self.host_pool is None:
-            return hits
-        for i, (b, on_host) in enumerate(hits):
-            if not on_host or b in self._swap_out or b in self._loads:
-                continue
-            block_hash = self.host_pool.block_hash(b)
-            assert block_hash is not None  # a host hit is a hashed block
-            if not self.verify_host(b, block_hash):
-                self.tier.host_verify_failures += 1
-                if self.host_pool.is_evictable(b):
-                    self.host_pool.discard(b)
-                return hits[:i]
-        return hits
+    def _check_unheld(self, request_id: str) -> None:
+        if request_id in self._tables or request_id in self._host_tables:
+            raise InvalidRequestError(f"request {request_id!r} already holds blocks", "request_id")
 
     def _check_new(self, request: Request, num_new_tokens: int) -> None:
         rid = request.request_id
-        if rid in self._tables or rid in self._host_tables:
-            raise InvalidRequestError(f"request {rid!r} already holds blocks", "request_id")
+        self._check_unheld(rid)
         if not isinstance(num_new_tokens, int) or num_new_tokens < 1:
             raise InvalidRequestError(
                 f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens"
@@ -298,9 +254,7 @@ class KVCacheManager:
         Grows the table to cover them and copies-on-write any shared block they fall into.
         Returns False, changing nothing, if the pool cannot supply the blocks now.
         """
-        table = self._tables.get(request.request_id)
-        if table is None:
-            raise UnknownRequestError(f"request {request.request_id!r} holds no device blocks")
+        table = self._table(request.request_id)
         if num_new_tokens < 1:
             raise InvalidRequestError(
                 f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens"
@@ -352,21 +306,16 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's whole table: every block shared, ref count + 1."""
         table = self._table(parent.request_id)
-        self._check_fork(parent, child)
-        self.pool.touch(table.blocks)
-        self._tables[child.request_id] = _Table(child, list(table.blocks), table.num_committed)
-        child.block_hashes = list(parent.block_hashes)
-
-    def _check_fork(self, parent: Request, child: Request) -> None:
-        cid = child.request_id
-        if cid in self._tables or cid in self._host_tables:
-            raise InvalidRequestError(f"request {cid!r} already holds blocks", "request_id")
+        self._check_unheld(child.request_id)
         if child.num_computed_tokens != parent.num_computed_tokens:
             raise InvalidRequestError(
                 "a fork starts at the parent's computed tokens "
                 f"({parent.num_computed_tokens}), child has {child.num_computed_tokens}",
                 "num_computed_tokens",
             )
+        self.pool.touch(table.blocks)
+        self._tables[child.request_id] = _Table(child, list(table.blocks), table.num_committed)
+        child.block_hashes = list(parent.block_hashes)
 
     def free(self, request_id: str) -> None:
         """Release everything the request holds, device and host; its table is gone."""
@@ -383,7 +332,7 @@ class KVCacheManager:
         """Register the request's newly full, computed blocks in the prefix cache.
 
         Called after the step that wrote them, never before: a block is a cache hit only once
-        its K/V exists.
+        its K/V exists. A block newly cached is the tier state's to copy down.
         """
         table = self._table(request.request_id)
         if not self.enable_prefix_caching:
@@ -391,10 +340,7 @@ class KVCacheManager:
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= table.num_committed:
             return
-        chain = request.block_hashes
-        if len(chain) < num_full:
-            tokens = request.all_token_ids[: num_full * self.block_size]
-            extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
+        chain = self._hash_chain(request, num_full)
         for i in range(table.num_committed, num_full):
             block_id = table.blocks[i]
             if block_id in self._copies or block_id in self._swap_in:
@@ -402,106 +348,16 @@ class KVCacheManager:
                 # (and a pending transfer is only ever cancelled into a block nobody caches).
                 num_full = i
                 break
-            if self.pool.commit(block_id, chain[i]) and self.write_policy is (
-                WritePolicy.WRITE_THROUGH
-            ):
-                self._write_down(block_id, chain[i])
+            if self.pool.commit(block_id, chain[i]):
+                self._tiers.on_commit(block_id, chain[i])
         table.num_committed = num_full
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block nobody uses, device and host; returns how many."""
         num = self.pool.evict_all()
-        if self.host_caching and self.host_pool is not None:
+        if self._tiers.host_caching and self.host_pool is not None:
             num += self.host_pool.evict_all()
         return num
-
-    # ---- lower tiers: host cache and storage writes ----------------------------------------------
-
-    def load_host(self, hashes: Sequence[BlockHash]) -> list[tuple[BlockHash, int]]:
-        """Place blocks prefetched from storage into new host blocks (host caching only).
-
-        Returns (hash, host block) for each one placed; the loads go out with the next plan,
-        whose applier writes the staged payloads. Hashes already in memory are skipped, and
-        placing stops when every host block is in use.
-        """
-        host = self.host_pool
-        if not self.host_caching or host is None:
-            return []
-        placed: list[tuple[BlockHash, int]] = []
-        for block_hash in hashes:
-            if host.lookup(block_hash) is not None or self.pool.lookup(block_hash) is not None:
-                continue
-            if host.num_free_blocks == 0:
-                self.tier.host_full_skips += 1
-                break
-            dst = host.allocate_one()
-            host.commit(dst, block_hash)
-            self._host_pins[dst] += 1  # the allocation's reference, dropped when taken
-            self._loads[dst] = block_hash
-            placed.append((block_hash, dst))
-        self.tier.storage_loaded_blocks += len(placed)
-        return placed
-
-    def _write_down(self, block_id: int, block_hash: BlockHash) -> None:
-        """Copy a committed device block to the tiers below (write_through, or a second hit)."""
-        if self.host_caching:
-            self._offload(block_id, block_hash)
-        if self.write_storage:
-            self._save(block_id, False, block_hash)
-
-    def _offload(self, block_id: int, block_hash: BlockHash) -> None:
-        host = self.host_pool
-        assert host is not None
-        if host.lookup(block_hash) is not None:
-            return
-        if host.num_free_blocks == 0:
-            self.tier.host_full_skips += 1
-            return
-        dst = host.allocate_one()  # may evict a host block (written back first, if so)
-        host.commit(dst, block_hash)
-        self._host_pins[dst] += 1  # the allocation's reference, dropped when taken
-        self._swap_out[dst] = block_id
-        self.tier.offloaded_blocks += 1
-
-    def _save(self, block_id: int, on_host: bool, block_hash: BlockHash) -> None:
-        if block_hash not in self._saves:
-            self._saves[block_hash] = StorageWrite(block_id, on_host, block_hash)
-            self.tier.storage_writes += 1
-
-    def _on_device_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        # write_back: the block's K/V is intact until the plan's transfers run (swap-outs and
-        # saves read before anything writes), so it is copied down as it leaves.
-        if self.host_caching:
-            self._offload(block_id, block_hash)
-        elif self.write_storage:
-            self._save(block_id, False, block_hash)
-
-    def _on_host_evict(self, block_id: int, block_hash: BlockHash) -> None:
-        if self.write_storage and self.host_caching:
-            self._save(block_id, True, block_hash)
-
-    def _count_hit(self, block_id: int, on_host: bool, block_hash: BlockHash) -> None:
-        """write_through_selective: a block is copied down at its second hit."""
-        counts = self._hit_counts
-        count = counts.pop(block_hash, 0) + 1
-        counts[block_hash] = count
-        if len(counts) > 4 * (self.pool.num_blocks + self.num_host_blocks):
-            counts.popitem(last=False)  # forget the least recently hit
-        if count != 2:
-            return
-        if not on_host:
-            self._write_down(block_id, block_hash)
-        elif self.write_storage and block_id not in self._loads:
-            # Already in the host cache; if its offload is still pending, save from the source.
-            source = self._swap_out.get(block_id)
-            if source is None:
-                self._save(block_id, True, block_hash)
-            else:
-                self._save(source, False, block_hash)
-
-    @property
-    def num_host_blocks(self) -> int:
-        return 0 if self.host_pool is None else self.host_pool.num_blocks
 
     # ---- swapping -------------------------------------------------------------------------------
 
@@ -527,9 +383,7 @@ class KVCacheManager:
 
     def swap_in(self, request_id: str) -> bool:
         """Bring a swapped request's blocks back to the device; False if the pool lacks room."""
-        if request_id not in self._host_tables:
-            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
-        host_table = self._host_tables[request_id]
+        host_table = self._host_table(request_id)
         num_moves = sum(1 for h in host_table.blocks if h not in self._device_twin)
         if num_moves > self.pool.num_free_blocks:
             return False
@@ -572,11 +426,22 @@ class KVCacheManager:
             out.append(target)
         return out
 
+    def _break_twin(self, block_id: int, host: bool = False) -> None:
+        twin, back = (
+            (self._device_twin, self._host_twin) if host else (self._host_twin, self._device_twin)
+        )
+        other = twin.pop(block_id, None)
+        if other is not None:
+            back.pop(other, None)
+
+    # ---- pins and releases ----------------------------------------------------------------------
+
     def _release(self, pool: BlockPool, blocks: Sequence[int]) -> None:
         """Free blocks. A block reaching ref 0 loses its twin, and any pending transfer into it
         is cancelled: nobody will read it, and it may be handed out again this very step."""
         pool.free(blocks)
-        if not (self._host_twin or self._copies or self._swap_in or self._swap_out or self._loads):
+        loads = self._tiers.pending_loads
+        if not (self._host_twin or self._copies or self._swap_in or self._swap_out or loads):
             return
         is_host = pool is self.host_pool
         for block_id in blocks:
@@ -585,47 +450,81 @@ class KVCacheManager:
             self._break_twin(block_id, host=is_host)
             if is_host:
                 self._swap_out.pop(block_id, None)
-                self._loads.pop(block_id, None)
+                self._tiers.on_host_release(block_id)
             elif block_id in self._copies:
-                self._unpin(self._copies.pop(block_id))
+                self._unpin(self.pool, self._pins, self._copies.pop(block_id))
             elif block_id in self._swap_in:
-                self._unpin_host(self._swap_in.pop(block_id))
-
-    def _unpin(self, block_id: int) -> None:
-        self._pins[block_id] -= 1
-        if self._pins[block_id] == 0:
-            del self._pins[block_id]
-        self._release(self.pool, [block_id])
+                self._unpin(self.host_pool, self._host_pins, self._swap_in.pop(block_id))
 
     def _pin_host(self, block_id: int) -> None:
         assert self.host_pool is not None
         self._host_pins[block_id] += 1
         self.host_pool.touch([block_id])
 
-    def _unpin_host(self, block_id: int) -> None:
-        assert self.host_pool is not None
-        self._host_pins[block_id] -= 1
-        if self._host_pins[block_id] == 0:
-            del self._host_pins[block_id]
-        self._release(self.host_pool, [block_id])
+    def _unpin(self, pool: BlockPool | None, pins: Counter[int], block_id: int) -> None:
+        assert pool is not None
+        pins[block_id] -= 1
+        if pins[block_id] == 0:
+            del pins[block_id]
+        self._release(pool, [block_id])
 
-    def _break_twin(self, block_id: int, host: bool = False) -> None:
-        if host:
-            device_block = self._device_twin.pop(block_id, None)
-            if device_block is not None:
-                self._host_twin.pop(device_block, None)
-        else:
-            host_block = self._host_twin.pop(block_id, None)
-            if host_block is not None:
-                self._device_twin.pop(host_block, None)
+    # ---- the tier state, and what it needs of the pins and swap-outs (``HostFills``) ------------
 
-    # ---- hand-off to the runner -----------------------------------------------------------------
+    @property
+    def tier_state(self) -> TierState:
+        """The write policy, the pending saves and loads, and the tier counters."""
+        return self._tiers
+
+    @property
+    def tier(self) -> TierCounters:
+        return self._tiers.counters
+
+    @property
+    def host_caching(self) -> bool:
+        return self._tiers.host_caching
+
+    @property
+    def write_storage(self) -> bool:
+        return self._tiers.write_storage
+
+    @write_storage.setter
+    def write_storage(self, value: bool) -> None:
+        self._tiers.write_storage = value
+
+    @property
+    def verify_host(self) -> Callable[[int, BlockHash], bool] | None:
+        return self._tiers.verify_host
+
+    @verify_host.setter
+    def verify_host(self, check: Callable[[int, BlockHash], bool] | None) -> None:
+        self._tiers.verify_host = check
+
+    @property
+    def _loads(self) -> Mapping[int, BlockHash]:
+        # The pending loads, where tests that watch every pending transfer look for them.
+        return self._tiers.pending_loads
+
+    def load_host(self, hashes: Sequence[BlockHash]) -> list[Load]:
+        """Place blocks prefetched from storage into new host blocks (``TierState.load_host``)."""
+        return self._tiers.load_host(hashes)
+
+    def pin_fill(self, host_block: int) -> None:
+        self._host_pins[host_block] += 1  # the allocation's reference, dropped when taken
+
+    def queue_offload(self, device_block: int, host_block: int) -> None:
+        self._swap_out[host_block] = device_block
+
+    def swap_out_source(self, host_block: int) -> int | None:
+        return self._swap_out.get(host_block)
+
+    # ---- hand-off to the runner, reporting ------------------------------------------------------
 
     def take_transfers(self) -> BlockTransfers:
         """Hand out the pending transfers (in apply order) and release their sources' pins."""
+        saves, loads = self._tiers.take()
         transfers = BlockTransfers(
-            saves=tuple(self._saves.values()),
-            loads=tuple((h, dst) for dst, h in self._loads.items()),
+            saves=saves,
+            loads=loads,
             swap_out=tuple((src, dst) for dst, src in self._swap_out.items()),
             swap_in=tuple((src, dst) for dst, src in self._swap_in.items()),
             copies=tuple((src, dst) for dst, src in self._copies.items()),
@@ -633,8 +532,6 @@ class KVCacheManager:
         self._swap_out.clear()
         self._swap_in.clear()
         self._copies.clear()
-        self._saves.clear()
-        self._loads.clear()
         if self._pins:
             pinned = list(self._pins.elements())
             self._pins.clear()
@@ -647,14 +544,22 @@ class KVCacheManager:
             self._release(self.host_pool, pinned)
         return transfers
 
-    # ---- reporting ------------------------------------------------------------------------------
-
     def usage(self) -> KVUsage:
         """A snapshot of the device pool and the counters (see ``core/usage.py``)."""
         return KVUsage.of(self)
+
+    def table_fills(self) -> Iterator[tuple[list[int], int]]:
+        """Each device table's blocks and its request's computed tokens (for ``usage``)."""
+        return ((t.blocks, t.request.num_computed_tokens) for t in self._tables.values())
 
     def _table(self, request_id: str) -> _Table:
         table = self._tables.get(request_id)
         if table is None:
             raise UnknownRequestError(f"request {request_id!r} holds no device blocks")
+        return table
+
+    def _host_table(self, request_id: str) -> _Table:
+        table = self._host_tables.get(request_id)
+        if table is None:
+            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
         return table

@@ -1,15 +1,32 @@
 """Usage figures of the KV cache: a frozen snapshot for stats, metrics and benchmarks.
 
-Owns nothing; reads the manager. Must not import torch.
+Owns nothing; reads a ``UsageSource`` (the KV cache manager is one; this module does not import
+it). Must not import torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from pagekv.core.kv_cache_manager import KVCacheManager
+from pagekv.core.block_pool import BlockPool
+
+
+class UsageSource(Protocol):
+    """What a snapshot reads: the device pool, the block tables and the manager's counters."""
+
+    pool: BlockPool
+    block_size: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_cow_copies: int
+    num_swapped_out_blocks: int
+    num_swapped_in_blocks: int
+
+    def table_fills(self) -> Iterable[tuple[Sequence[int], int]]:
+        """Each device table's blocks and its request's computed tokens."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -45,13 +62,12 @@ class KVUsage:
         return 1.0 - self.num_tokens_stored / self.num_slots_allocated
 
     @classmethod
-    def of(cls, manager: KVCacheManager) -> KVUsage:
+    def of(cls, manager: UsageSource) -> KVUsage:
         fill: dict[int, int] = {}
         num_logical = 0
-        for table in manager._tables.values():
-            num_logical += len(table.blocks)
-            computed = table.request.num_computed_tokens
-            for i, block_id in enumerate(table.blocks):
+        for blocks, computed in manager.table_fills():
+            num_logical += len(blocks)
+            for i, block_id in enumerate(blocks):
                 tokens = min(manager.block_size, max(0, computed - i * manager.block_size))
                 fill[block_id] = max(fill.get(block_id, 0), tokens)
         pool = manager.pool

@@ -375,7 +375,7 @@ class TierManager:
         problems = []
         host = self.kv.host_pool
         if self.kv.host_caching and host is not None:
-            pending = set(self.kv._swap_out) | set(self.kv._loads)
+            pending = set(self.kv._swap_out) | set(self.kv.tier_state.pending_loads)
             for block_hash, block_id in host.index_items():
                 record = self._host_crc.get(block_id)
                 if block_id not in pending and (record is None or record[0] != block_hash):
