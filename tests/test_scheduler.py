@@ -424,13 +424,11 @@ def test_max_num_seqs_caps_every_step() -> None:
 
 
 def _branches(parent: Request, n: int) -> list[Request]:
-    children = []
-    for i in range(1, n):
-        child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.params)
-        child.status = RequestStatus.FORK_PENDING
-        children.append(child)
-    parent.fork_children = children
-    return children
+    """The other n - 1 sequences of ``parent``'s user request (for ``Scheduler.add_group``)."""
+    return [
+        Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, parent.params)
+        for i in range(1, n)
+    ]
 
 
 def _state_scenario(state: str) -> tuple[Scheduler, FakeRunner, Request]:
@@ -442,9 +440,10 @@ def _state_scenario(state: str) -> tuple[Scheduler, FakeRunner, Request]:
     sched.add(make_request("other", 6, 20))
     prompt_len, max_tokens = (22, 8) if state == "mid_prefill" else (5, 20)
     target = make_request("target", prompt_len, max_tokens, first=3)
+    branches: list[Request] = []
     if state in ("fork_pending", "parent_with_branches"):
         branches = _branches(target, 3)
-    sched.add(target)
+    sched.add_group(target, branches)
     if state == "waiting":
         return sched, runner, target
     run_step(sched, runner)
@@ -513,7 +512,7 @@ def test_parallel_branches_fork_after_the_prompt_and_finish() -> None:
     runner = FakeRunner(sched.kv)
     parent = make_request("p", 9, 3)
     branches = _branches(parent, 3)
-    sched.add(parent)
+    assert sched.add_group(parent, branches) == [parent]
     assert sched.counters.added_requests == 1
     plan = run_step(sched, runner)
     assert plan.scheduled[0].num_tokens == 8  # all but the last prompt token
@@ -528,6 +527,50 @@ def test_parallel_branches_fork_after_the_prompt_and_finish() -> None:
     check_no_leak(sched.kv)
 
 
+def test_add_group_queues_the_parent_and_parks_the_branches_on_it() -> None:
+    sched = make_scheduler(32)
+    parent = make_request("p", 9, 3)
+    branches = _branches(parent, 3)
+    assert sched.add_group(parent, branches) == [parent]
+    assert list(sched.waiting) == [parent] and parent.status is RequestStatus.WAITING
+    assert parent.fork_children == branches and parent.fork_children is not branches
+    assert all(b.status is RequestStatus.FORK_PENDING for b in branches)
+    assert sched.counters.added_requests == 1  # the branches enter when forked
+
+
+def test_add_group_queues_each_sequence_of_a_one_token_prompt() -> None:
+    """A one-token prompt has no block to share before its last token: no fork."""
+    sched = make_scheduler(32)
+    parent = make_request("p", 1, 3)
+    branches = _branches(parent, 3)
+    assert sched.add_group(parent, branches) == [parent, *branches]
+    assert list(sched.waiting) == [parent, *branches]
+    assert parent.fork_children == []
+    assert all(r.status is RequestStatus.WAITING for r in (parent, *branches))
+    assert sched.counters.added_requests == 3
+    run_until_done(sched, FakeRunner(sched.kv), 50)
+    assert sched.counters.finished_requests == 3
+    check_no_leak(sched.kv)
+
+
+def test_add_group_of_one_is_add() -> None:
+    sched = make_scheduler(32)
+    alone = make_request("a", 5, 3)
+    assert sched.add_group(alone, []) == [alone]
+    assert list(sched.waiting) == [alone] and alone.fork_children == []
+
+
+def test_add_group_rejects_before_anything_is_queued() -> None:
+    sched = make_scheduler(4)
+    parent = make_request("p", 9, 20)  # 29 tokens: more than the 16 slots of the pool
+    branches = _branches(parent, 3)
+    with pytest.raises(PromptTooLongError):
+        sched.add_group(parent, branches)
+    assert not sched.waiting and parent.fork_children == []
+    assert all(b.status is RequestStatus.WAITING for b in branches)
+    assert sched.counters.rejected_requests == 1 and sched.counters.added_requests == 0
+
+
 def test_a_held_request_is_skipped_until_released() -> None:
     """A request whose target equals its computed tokens (a beam waiting for its siblings)
     gets nothing this step, keeps its blocks, and continues once released."""
@@ -537,11 +580,11 @@ def test_a_held_request_is_skipped_until_released() -> None:
     sched.add(a)
     sched.add(b)
     run_step(sched, runner)
-    a.held = True  # its last token stays uncomputed
+    a.hold()  # its last token stays uncomputed
     plan = run_step(sched, runner)
     assert scheduled_ids(plan.scheduled) == ["b"]
     assert a.status is RequestStatus.RUNNING and sched.kv.has_table("a")
-    a.held = False
+    a.release_hold()
     plan = run_step(sched, runner)
     assert scheduled_ids(plan.scheduled) == ["a", "b"]
     run_until_done(sched, runner, 50)
@@ -570,12 +613,12 @@ def test_preemption_log_is_rate_limited_and_counts_the_suppressed(
     )
     caplog.set_level(logging.WARNING, logger="pagekv")
     for _ in range(4):
-        sched._log_preemption(make_request("x", 1, 1), "recompute", 3)
+        sched.preemptor.log_preemption(make_request("x", 1, 1), "recompute", 3, sched.step)
         clock.now += 1.0
     assert len(caplog.records) == 1
     assert "preempted request 'x' by recompute" in caplog.records[0].getMessage()
     clock.now += 5.0
-    sched._log_preemption(make_request("y", 1, 1), "swap", 2)
+    sched.preemptor.log_preemption(make_request("y", 1, 1), "swap", 2, sched.step)
     assert len(caplog.records) == 2
     assert "(3 similar messages suppressed in the last 9 s)" in caplog.records[1].getMessage()
     assert caplog.records[1].name == "pagekv"

@@ -21,10 +21,11 @@ from test_scheduler_fakes import (
     run_until_done,
 )
 
+from pagekv.core.ngram_index import NgramIndex
 from pagekv.core.request import Request
 from pagekv.core.scheduler import Scheduler
 from pagekv.core.scheduler_config import SchedulerConfig
-from pagekv.core.speculation import NgramIndex, NgramProposer, accept
+from pagekv.core.speculation import NgramProposer, accept
 from pagekv.errors import InvalidRequestError
 from pagekv.sampling_params import SamplingParams
 

@@ -8,14 +8,12 @@ the scheduler moves them between queues and advances ``num_computed_tokens``. Th
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from pagekv.core.block_pool import BlockHash
+from pagekv.core.ngram_index import NgramIndex
 from pagekv.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagekv.core.speculation import NgramIndex
 
 
 class RequestStatus(Enum):
@@ -56,6 +54,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -68,7 +67,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission (usage reports)
         self.num_preemptions = 0
-        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine from the tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)  # the tokenizer's, given by the engine
         # Branches to fork off once the prompt, all but its last token, is computed: they share
         # every prompt block, and each computes the last token itself (copy-on-write).
         self.fork_children: list[Request] = []
@@ -107,6 +106,38 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def replace_last_token(self, token_id: int) -> None:
+        """Swap the last token for another: a held beam's provisional token becomes the one
+        its group chose. Only an uncomputed token may change (no K/V was written for it)."""
+        assert self.num_computed_tokens < self.num_tokens, "the last token is already computed"
+        self.all_token_ids[-1] = token_id
+
+    def hold(self) -> None:
+        """Stop short of the last token (a beam that reported its candidates waits for its
+        siblings); it keeps its blocks and is skipped until ``release_hold``."""
+        self.held = True
+
+    def release_hold(self) -> None:
+        """Let the scheduler compute the last token again (the beam's survivors are chosen)."""
+        self.held = False
+
+    def branch_off(self, request_id: str, last_token_id: int) -> Request:
+        """A new sequence: this one's tokens with ``last_token_id`` as its uncomputed last
+        (a beam chosen twice), pending as a fork child until ``Scheduler.fork`` shares this
+        request's blocks with it. It shares the prompt list, which is never written: beams of
+        one search differ in their output only."""
+        child = Request(
+            request_id,
+            [*self.all_token_ids[:-1], last_token_id],
+            self.params,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            eos_token_ids=self.eos_token_ids,
+        )
+        child.prompt_token_ids = self.prompt_token_ids
+        self.fork_children.append(child)
+        return child
 
     def stop_status(self, token_id: int) -> RequestStatus | None:
         """The finish status after sampling ``token_id``, if it ends the request (token level)."""

@@ -2,8 +2,9 @@
 
 Owns: the waiting, running and swapped queues, the step counter and the counters. It decides;
 the KV cache manager places blocks; the runner executes the resulting ``Plan``. The order of
-requests is the policy's (``policy.py``); how a victim gives its blocks back is
-``preemption.py``'s. Must not import torch.
+requests is the policy's (``policy.py``); making room by preemption is ``preemptor.py``'s,
+with the modes and cost model of ``preemption.py``; what to draft is ``speculation.py``'s. Must
+not import torch.
 
 One rule for every token: a request has ``num_computed_tokens`` and a target
 ``num_target_tokens``; each step hands out tokens, under ``max_num_batched_tokens`` and
@@ -36,7 +37,6 @@ out of order, so a steady decode batch costs no sorting.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -44,7 +44,8 @@ from pagekv.core.block_pool import BlockHash
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan, ScheduledRequest
 from pagekv.core.policy import RequestOrder, RequestQueue, SchedulingPolicy, check_priority
-from pagekv.core.preemption import PreemptionCostModel, PreemptionMode, RateLimitedLog
+from pagekv.core.preemption import PreemptionCostModel, PreemptionMode
+from pagekv.core.preemptor import Preemptor
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler_config import SchedulerConfig, SchedulerCounters
 from pagekv.core.speculation import NgramProposer, accept
@@ -59,8 +60,6 @@ __all__ = [
     "SchedulingPolicy",
     "check_priority",
 ]
-
-logger = logging.getLogger("pagekv")
 
 
 class Scheduler:
@@ -93,7 +92,8 @@ class Scheduler:
         self.clock = clock
         self.counters = SchedulerCounters()
         self.step = 0
-        self.preemption_log = RateLimitedLog(logger, config.preemption_log_interval_s, clock)
+        queues = (self.running, self.waiting, self.swapped)
+        self.preemptor = Preemptor(config, kv, self.counters, queues, clock)
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
         self._preempted_last_step = False
         self._running_sorted = True  # False once a request joins ``running`` out of order
@@ -138,6 +138,25 @@ class Scheduler:
         self.order.register(request, self.step)
         self.waiting.push(request)
         self.counters.added_requests += 1
+
+    def add_group(self, parent: Request, branches: Sequence[Request]) -> list[Request]:
+        """Queue the sequences of one user request of n > 1: ``parent`` and its ``branches``.
+
+        With a prompt of 2+ tokens only the parent is queued and the branches wait, pending,
+        to fork off its blocks once all but its last prompt token is computed: the prompt is
+        prefilled once and each branch samples its own next token. A one-token prompt has
+        nothing to share, so each sequence is queued on its own. Returns the requests queued,
+        in order; raises as ``add`` does (a rejected parent leaves its branches untouched).
+        """
+        if not branches or parent.num_prompt_tokens < 2:
+            for request in (parent, *branches):
+                self.add(request)
+            return [parent, *branches]
+        self.add(parent)
+        for branch in branches:
+            branch.status = RequestStatus.FORK_PENDING
+        parent.fork_children = list(branches)
+        return [parent]
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state: out of its queue, every block released at once.
@@ -269,13 +288,13 @@ class Scheduler:
             if num_new > 1:
                 num_new = self._chunk(num_new, budget, end - i - 1)
             elif proposer is not None:
-                drafts = self._draft(proposer, request, budget - (end - i))
+                drafts = proposer.propose_for_decode(request, budget - (end - i))
                 if drafts and append_slots(request, 1 + len(drafts)):
                     num_new += len(drafts)
                 else:  # no room for guesses: decode plainly (a draft never preempts anyone)
                     drafts = ()
             if not drafts and not append_slots(request, num_new):
-                fits = self._make_room(request, num_new, preempted)
+                fits = self.preemptor.make_room(request, num_new, preempted, self.step)
                 end = min(len(running), max_seqs)
                 if not fits:
                     continue
@@ -284,28 +303,6 @@ class Scheduler:
             budget -= num_new
             i += 1
         return scheduled, budget
-
-    def _draft(self, proposer: NgramProposer, request: Request, budget: int) -> tuple[int, ...]:
-        """Draft tokens for a decode at the end of its tokens, within the token ``budget`` left
-        after it and one token per running request behind it, and short of ``max_tokens``."""
-        if request.fork_children or request.num_computed_tokens != request.num_tokens - 1:
-            return ()
-        remaining = request.params.max_tokens - request.num_output_tokens - 1
-        return tuple(proposer.propose(request, min(budget, remaining)))
-
-    def _make_room(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        """Grow ``request`` by ``num_new`` slots, preempting from the tail until it fits.
-
-        The tail is never already scheduled this step (scheduling walks from the head), so no
-        entry of the plan loses its blocks. False if the request had to preempt itself.
-        """
-        while not self.kv.append_slots(request, num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-            if victim is request:
-                return False
-        return True
 
     def _admit(self, budget: int, running: list[ScheduledRequest]) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
@@ -380,61 +377,6 @@ class Scheduler:
         if running and self._running_sorted:
             self._running_sorted = self.order.key(running[-1]) < self.order.key(request)
         running.append(request)
-
-    def _preempt(self, victim: Request) -> None:
-        """Give back the victim's blocks: swap if chosen and possible, else recompute."""
-        victim.num_preemptions += 1
-        rid = victim.request_id
-        num_blocks = len(self.kv.block_table(rid))
-        mode = self._choose_mode(victim, num_blocks)
-        if mode is PreemptionMode.SWAP:
-            moved_before = self.kv.num_swapped_out_blocks
-            if self.kv.swap_out(rid):
-                victim.status = RequestStatus.SWAPPED
-                self.swapped.push(victim)
-                self.counters.preemptions_swap += 1
-                self.counters.preemption_swapped_blocks += (
-                    self.kv.num_swapped_out_blocks - moved_before
-                )
-                self._log_preemption(victim, "swap", num_blocks)
-                return
-            self.counters.swap_fallbacks += 1
-        # Recompute (also the fallback when the host pool is full: never abort for lack of
-        # swap space). Full blocks stay cached as evictable, so resuming often hits them.
-        self.kv.free(rid)
-        self.counters.preemptions_recompute += 1
-        self.counters.recomputed_tokens += victim.num_computed_tokens
-        self._log_preemption(victim, "recompute", num_blocks)
-        victim.num_computed_tokens = 0
-        victim.status = RequestStatus.WAITING
-        self.waiting.push(victim)  # its old key: the head of the queue under FCFS
-
-    def _choose_mode(self, victim: Request, num_blocks: int) -> PreemptionMode:
-        mode = self.config.preemption_mode
-        if mode is not PreemptionMode.AUTO:
-            return mode
-        if self.kv.host_pool is None:
-            return PreemptionMode.RECOMPUTE
-        cost = self.config.cost_model
-        swap = cost.prefers_swap(victim.num_computed_tokens, num_blocks)
-        return PreemptionMode.SWAP if swap else PreemptionMode.RECOMPUTE
-
-    def _log_preemption(self, victim: Request, how: str, num_blocks: int) -> None:
-        self.preemption_log.warning(
-            "step %d: preempted request %r by %s (%d computed tokens, %d blocks); KV pool "
-            "%d/%d blocks free or evictable, %d running, %d waiting, %d swapped. The pool is "
-            "too small for the load: consider more KV memory or a lower max_num_seqs",
-            self.step,
-            victim.request_id,
-            how,
-            victim.num_computed_tokens,
-            num_blocks,
-            self.kv.pool.num_free_blocks,
-            self.kv.pool.num_blocks,
-            len(self.running),
-            len(self.waiting),
-            len(self.swapped),
-        )
 
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
         table = self.kv.block_table(request.request_id)

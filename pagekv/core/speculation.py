@@ -4,7 +4,8 @@ Owns the rule of what to draft and what to accept; the scheduler asks for drafts
 schedules a decode, the runner computes the model's greedy token at every drafted position, and
 ``accept`` keeps the drafts up to the first that the model disagrees with. Greedy requests only:
 what is accepted is exactly what decoding one token at a time would have produced, so a draft
-costs compute, never correctness. Must not import torch.
+costs compute, never correctness. The lookup itself is ``NgramIndex``'s (``ngram_index.py``).
+Must not import torch.
 
 How a draft is found (prompt lookup, as vLLM's ``ngram`` method): the last ``n`` tokens (n from
 ``max_n`` down to ``min_n``) are looked up among earlier positions of prompt + output; the
@@ -24,49 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagekv.core.ngram_index import NgramIndex
 from pagekv.core.request import Request
 from pagekv.errors import InvalidRequestError
-
-NgramKey = tuple[int, ...]
-
-
-class NgramIndex:
-    """Where each n-gram of a token sequence last ended, kept up to date as tokens append.
-
-    ``ends[gram] = e``: ``tokens[e - len(gram) : e] == gram`` and ``e`` is the latest such end
-    with a token after it (``e < len(tokens)``). The sequence's own suffix is therefore never
-    its own match. Extending by one token costs ``max_n`` dictionary writes.
-    """
-
-    __slots__ = ("_next_end", "ends", "max_n")
-
-    def __init__(self, max_n: int) -> None:
-        self.max_n = max_n
-        self.ends: dict[NgramKey, int] = {}
-        self._next_end = 1  # the first end position not yet registered
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Register the n-grams that end before each token added since the last call."""
-        ends, max_n = self.ends, self.max_n
-        for end in range(self._next_end, len(tokens)):
-            for n in range(1, min(max_n, end) + 1):
-                ends[tuple(tokens[end - n : end])] = end
-        self._next_end = max(self._next_end, len(tokens))
-
-    def draft(self, tokens: Sequence[int], min_n: int, limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the longest suffix (``max_n`` .. ``min_n``
-        tokens) seen before, copied on from its latest occurrence; [] if none was seen."""
-        self.extend(tokens)
-        size = len(tokens)
-        for n in range(min(self.max_n, size - 1), min_n - 1, -1):
-            end = self.ends.get(tuple(tokens[size - n :]))
-            if end is None:
-                continue
-            draft: list[int] = []
-            for i in range(end, end + limit):  # past the last token: copy what was drafted
-                draft.append(tokens[i] if i < size else draft[i - size])
-            return draft
-        return []
 
 
 class NgramProposer:
@@ -87,6 +48,15 @@ class NgramProposer:
         self.num_tokens = num_tokens
         self.max_n = max_n
         self.min_n = min_n
+
+    def propose_for_decode(self, request: Request, budget: int) -> tuple[int, ...]:
+        """Drafts for a decode at the end of its tokens, within the token ``budget`` the
+        scheduler has left after it (one token per running request behind it), and short of
+        ``max_tokens``. None for a prefill or a parent about to fork its branches."""
+        if request.fork_children or request.num_computed_tokens != request.num_tokens - 1:
+            return ()
+        remaining = request.params.max_tokens - request.num_output_tokens - 1
+        return tuple(self.propose(request, min(budget, remaining)))
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Draft tokens to follow ``request``'s last token: at most ``min(num_tokens, limit)``."""

@@ -69,7 +69,7 @@ class BeamDriver:
     def report(self, beam_id: str, top: list[tuple[int, float]]) -> None:
         run = self._run_of[beam_id]
         run.reports[beam_id] = top
-        run.requests[beam_id].held = True
+        run.requests[beam_id].hold()
 
     def finish_ready(self) -> list[BeamSearchOutput]:
         """Select survivors in every group whose beams have all reported; return ended groups."""
@@ -99,14 +99,11 @@ class BeamDriver:
             parent = run.requests[cont.parent]
             if cont.parent not in used:
                 used.add(cont.parent)
-                parent.all_token_ids[-1] = cont.token_id  # not computed yet: free to replace
+                parent.replace_last_token(cont.token_id)  # not computed yet: free to replace
                 placed.append((cont.parent, cont))
                 continue
             child_id = f"{run.request_id}#beam{next(run.ids)}"
-            child = Request(child_id, [*parent.all_token_ids[:-1], cont.token_id], parent.params)
-            child.prompt_token_ids = parent.prompt_token_ids
-            parent.fork_children.append(child)
-            run.requests[child_id] = child
+            run.requests[child_id] = parent.branch_off(child_id, cont.token_id)
             self._run_of[child_id] = run
             placed.append((child_id, cont))
         keep = {rid for rid, _ in placed}
@@ -114,7 +111,7 @@ class BeamDriver:
             self._drop(run, rid)
         for rid in used:
             parent = run.requests[rid]
-            parent.held = False
+            parent.release_hold()
             if parent.fork_children:
                 self._scheduler.fork(parent)
         run.group.advance(placed)

@@ -68,6 +68,51 @@ def _load(config: EngineConfig, dtype: torch.dtype) -> LoadedModel:
     return load_model(config.model, dtype, keep_quantized=keep)
 
 
+def _max_model_len(config: EngineConfig, context: int) -> int:
+    """The configured context, capped at the model's own: a longer one is used at the model's
+    length, with a warning, rather than refused."""
+    if config.max_model_len is not None and config.max_model_len > context:
+        logger.warning(
+            "max_model_len %d is beyond the model's context of %d tokens; using %d",
+            config.max_model_len,
+            context,
+            context,
+        )
+    return min(config.max_model_len or context, context)
+
+
+def _num_kv_blocks(config: EngineConfig, block_bytes: int) -> int:
+    """Device KV blocks: the configured count, or as many as ``kv_cache_memory`` holds."""
+    num_blocks = (
+        config.num_kv_blocks
+        or parse_bytes(config.kv_cache_memory, "kv_cache_memory") // block_bytes
+    )
+    if num_blocks < 1:
+        raise InvalidRequestError("kv_cache_memory is smaller than one KV block", "kv_cache_memory")
+    return num_blocks
+
+
+def _scheduler_config(
+    config: EngineConfig, max_model_len: int, load_cost: LoadCostModel
+) -> SchedulerConfig:
+    """The engine's scheduling settings as the core's validated config."""
+    return SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=config.block_size,
+        preemption_mode=PreemptionMode(config.preemption_mode),
+        policy=SchedulingPolicy(config.scheduling_policy),
+        priority_aging_steps=config.priority_aging_steps,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
+        cost_model=config.preemption_cost or PreemptionCostModel(),
+        load_cost=load_cost,
+        num_speculative_tokens=config.num_speculative_tokens,
+        prompt_lookup_max=config.prompt_lookup_max,
+        prompt_lookup_min=config.prompt_lookup_min,
+    )
+
+
 class LLMEngine:
     """``add_request`` / ``abort_request`` / ``step``: continuous batching over a paged KV cache."""
 
@@ -77,15 +122,7 @@ class LLMEngine:
         self.loaded = loaded if loaded is not None else _load(config, dtype)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
-        context = mcfg.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or context, context)
-        if config.max_model_len is not None and config.max_model_len > context:
-            logger.warning(
-                "max_model_len %d is beyond the model's context of %d tokens; using %d",
-                config.max_model_len,
-                context,
-                context,
-            )
+        self.max_model_len = _max_model_len(config, mcfg.max_position_embeddings)
         block_bytes = KVCache.bytes_per_block(
             mcfg.num_hidden_layers,
             config.block_size,
@@ -93,14 +130,7 @@ class LLMEngine:
             mcfg.head_dim,
             dtype,
         )
-        num_blocks = (
-            config.num_kv_blocks
-            or parse_bytes(config.kv_cache_memory, "kv_cache_memory") // block_bytes
-        )
-        if num_blocks < 1:
-            raise InvalidRequestError(
-                "kv_cache_memory is smaller than one KV block", "kv_cache_memory"
-            )
+        num_blocks = _num_kv_blocks(config, block_bytes)
         num_host = host_pool_bytes(config) // block_bytes
         lower_tiers = uses_lower_tiers(config)
         store = open_configured_store(config)  # before anything big is allocated
@@ -122,21 +152,7 @@ class LLMEngine:
             self.kv.verify_host = self.tiers.verify_host
             self.kv.write_storage = self.tiers.store is not None
             weakref.finalize(self, self.tiers.close)  # flush writes even if close() is forgotten
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=config.block_size,
-            preemption_mode=PreemptionMode(config.preemption_mode),
-            policy=SchedulingPolicy(config.scheduling_policy),
-            priority_aging_steps=config.priority_aging_steps,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            cost_model=config.preemption_cost or PreemptionCostModel(),
-            load_cost=load_cost,
-            num_speculative_tokens=config.num_speculative_tokens,
-            prompt_lookup_max=config.prompt_lookup_max,
-            prompt_lookup_min=config.prompt_lookup_min,
-        )
+        sched_cfg = _scheduler_config(config, self.max_model_len, load_cost)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self._groups: dict[str, RequestGroup] = {}
         # Each finished request's lengths and prefix-block hashes (no text), for ``pagekv sim``.
@@ -214,17 +230,8 @@ class LLMEngine:
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
         parent, *children = [b.request for b in group.branches]
-        if children and len(ids) > 1:
-            # Parallel sampling: prefill once; the branches fork off the parent's blocks.
-            for child in children:
-                child.status = RequestStatus.FORK_PENDING
-            parent.fork_children = children
-            self.scheduler.add(parent)
-            self._prefetch(parent)
-        else:
-            for request in (parent, *children):
-                self.scheduler.add(request)
-                self._prefetch(request)
+        for request in self.scheduler.add_group(parent, children):
+            self._prefetch(request)
 
     def _prefetch(self, request: Request) -> None:
         """Ask the storage tier for the prefix blocks memory lacks, if waiting for them pays."""

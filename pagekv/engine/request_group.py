@@ -90,9 +90,13 @@ class RequestGroup:
             branch_params = base if params.seed is None else replace(base, seed=params.seed + i)
             rid = request_id if params.num_branches == 1 else f"{request_id}#{i}"
             request = Request(
-                rid, ids, branch_params, cache_salt=placement[0], priority=placement[1]
+                rid,
+                ids,
+                branch_params,
+                cache_salt=placement[0],
+                priority=placement[1],
+                eos_token_ids=tokenizer.eos_token_ids,
             )
-            request.eos_token_ids = tuple(tokenizer.eos_token_ids)
             logprobs = branch_params.logprobs is not None
             output = CompletionOutput(
                 index=i,

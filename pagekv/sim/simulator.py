@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagekv.core import KVCacheManager, Request, RequestStatus
+from pagekv.core import KVCacheManager, Request
 from pagekv.core.plan import Plan
 from pagekv.core.scheduler import PreemptionMode, Scheduler, SchedulerConfig
 from pagekv.errors import InvalidRequestError, PromptTooLongError
@@ -126,16 +126,8 @@ class _PagedRun:
             for rid, out in zip(rids, outputs, strict=True)
         ]
         parent, *children = core
-        if children and len(request.prompt_token_ids) > 1:
-            for child in children:
-                child.status = RequestStatus.FORK_PENDING
-            parent.fork_children = children
-            to_add = [parent]
-        else:
-            to_add = core
         try:
-            for r in to_add:
-                self.scheduler.add(r)
+            self.scheduler.add_group(parent, children)
         except PromptTooLongError:
             self.num_rejected += 1
             self.arrivals.release(request.request_id, self.clock_s)
