@@ -53,7 +53,7 @@ class BlockTransfers:
         return bool(self.saves or self.loads or self.swap_out or self.swap_in or self.copies)
 
 
-@dataclass(slots=True)  # not frozen: 256 of these are built every step (a third cheaper)
+@dataclass(slots=True)  # not frozen: one per request every step; frozen ones cost more
 class ScheduledRequest:
     """One request's share of a step: feed ``num_tokens`` tokens from ``start_position``.
 

@@ -37,10 +37,10 @@ class PreemptionMode(Enum):
 class PreemptionCostModel:
     """Estimated seconds to recompute a victim's tokens vs to swap its blocks out and back.
 
-    Defaults measured by ``benchmarks/bench_swap_cost.py`` on the project's standard machine
-    (2 CPU cores, OMP_NUM_THREADS=1, torch 2.13 CPU) with SmolLM2-135M-Instruct in float32 and
-    16-token blocks (720 KiB per block): prefill 2.9 ms per extra token (fitted over 32..512-token
-    steps); device->host transfer 0.29 ms per block + 0.66 ms per transfer call. On a CPU both
+    The defaults are ``benchmarks/bench_swap_cost.py``'s fit on a 2-core CPU (one thread,
+    SmolLM2-135M-Instruct in float32, 16-token blocks; the fit is in benchmarks/RESULTS.md):
+    prefill cost per extra token, and a device->host transfer's cost per block and per call.
+    On a CPU both
     pools are host memory, so swapping wins for every victim with at least one computed token;
     on a GPU (PCIe transfers, fast prefill) rerun the script and pass the result in
     ``EngineConfig(preemption_cost=...)``.
