@@ -105,7 +105,7 @@ static inline void transpose16x16(__m512i* r) {
 // are transposed once, as pairs of dims (kp[i], lane t: dims 2i and 2i+1 of key t), so each
 // query row's 16 scores are D/2 vdpbf16ps with the query's pair i broadcast: no horizontal sums,
 // the transpose shared by all rows. For a few rows (one token's heads) the transpose costs more
-// than it saves (measured 5-12% slower in cache), so one_sequence keeps scores16 there. A
+// than it saves, even in cache, so one_sequence keeps scores16 there. A
 // score's sum runs over even pairs and odd pairs in order, then adds the two.
 static const int PAIRS_MIN_ROWS = 6;
 template <int D>
@@ -259,9 +259,7 @@ static inline void softmax_rows(float* scores, int rows, int len, long stride, f
 }
 
 // Requests [start, start + bytes) into L2. Not L1: requests for L1 hold its few miss buffers
-// until their lines arrive, so fewer rows are in flight (a 64-row step over 340 positions of
-// history, 30 layers, AMD EPYC: K/V read at 15 GB/s with L1 prefetches 16 rows ahead, 25 GB/s
-// with L2 prefetches 16-48 rows ahead).
+// until their lines arrive, so fewer rows are in flight and K/V streams more slowly.
 static inline void prefetch_l2(const void* start, long bytes) {
     for (long byte = 0; byte < bytes; byte += 64)
         __builtin_prefetch((const char*)start + byte, 0, 2);
@@ -324,8 +322,8 @@ static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t*
     }
     // The values of the positions whose scores are being computed go to L2 for the second pass
     // (else the memory idles through the softmax and waits at each block of that pass), when
-    // they all fit there: longer histories would push out their own first rows (measured
-    // 1.1-1.17x at 384-2048 bf16 positions; 0.95x for 2048 float32 ones, which do not fit).
+    // they all fit there: longer histories would push out their own first rows, and then
+    // the prefetch costs more than it saves.
     const bool values_fit_l2 = long(len) * (h1 - h0) * D * long(sizeof(KV)) <= VALUES_IN_L2_BYTES;
     const KV* rows[16];
     for (int kvh = h0; kvh < h1; ++kvh)  // queries of kv head kvh: [token][group head][D]
@@ -386,7 +384,7 @@ static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* table
     // threads, split by kv head so every thread has work. Threads take tasks one at a time from
     // a shared counter, each taking its next task when it starts one: the first rows of that
     // next sequence are requested then, since a short history ends before the prefetches
-    // inside it get ahead (40 positions: 2.7 vs 3.0 ms a 64-row step; no change at 340).
+    // inside it get ahead (this matters for short histories only).
     const int split = num_seqs < num_threads ? kv_heads : 1;
     const long tasks = long(num_seqs) * split;
     long taken = 0;

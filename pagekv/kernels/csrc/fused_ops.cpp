@@ -128,9 +128,8 @@ static void silu_mul(const T* gate_up, T* out, long rows, long inter, int thread
 // [N/16][K/32] tiles, each 16 k-pairs x 16 columns x 2 (the VNNI layout). Each thread owns a
 // range of 32-column stripes and streams their tiles once, prefetching the next stripe into L2
 // while it multiplies this one, spread evenly over all its passes over the stripe. Two units
-// multiply: AMX tiles, two 16-row blocks a pass (up to 32 rows at memory speed, ~1.7x oneDNN's
-// rate; whole steps at 48-64 rows 1.12-1.19x faster than when only the first pass prefetched,
-// measured), or, on CPUs with AVX512-BF16 and no AMX (AMD Zen 4/5), vdpbf16ps with up to 12
+// multiply: AMX tiles, two 16-row blocks a pass (up to 32 rows at memory speed; spreading the
+// prefetch over every pass, not only the first, keeps larger batches fed too), or, on CPUs with AVX512-BF16 and no AMX (AMD Zen 4/5), vdpbf16ps with up to 12
 // rows x 32 columns of sums in registers, a tile row of w loaded once for all of them. Every
 // output row is summed in one order, k ascending, whatever M is, so a row's numbers do not
 // depend on the batch it is in.
