@@ -52,7 +52,7 @@ def build_world() -> World:
     assert mgr.block_table("a") == [0, 1, 2] == mgr.block_table("e")
     assert mgr.host_block_table("b") == [0, 1, 2]
     assert mgr.pool.free_order() == [6, 7, 5, 4, 3]
-    assert dict(mgr._host_twin) == {0: 0, 1: 1, 2: 2}
+    assert dict(mgr.pending.host_twin) == {0: 0, 1: 1, 2: 2}
     return World(mgr, a)
 
 
@@ -89,16 +89,16 @@ def _wrong_hash_on_used_block(w: World) -> None:
 
 
 def _non_mutual_twin(w: World) -> None:
-    w.mgr._device_twin[0] = 5
+    w.mgr.pending.device_twin[0] = 5
 
 
 def _dead_twin(w: World) -> None:
-    w.mgr._host_twin[6] = 3
-    w.mgr._device_twin[3] = 6
+    w.mgr.pending.host_twin[6] = 3
+    w.mgr.pending.device_twin[3] = 6
 
 
 def _one_sided_twin(w: World) -> None:
-    w.mgr._device_twin[3] = 7
+    w.mgr.pending.device_twin[3] = 7
 
 
 def _uncovered_computed(w: World) -> None:
@@ -106,7 +106,7 @@ def _uncovered_computed(w: World) -> None:
 
 
 def _pin_without_block(w: World) -> None:
-    w.mgr._pins[7] += 1
+    w.mgr.pending.pins[7] += 1
 
 
 def _leaked_block(w: World) -> None:
@@ -280,7 +280,7 @@ def test_check_no_leak_fires_on_a_pin_never_released() -> None:
     check_no_leak(w.mgr)
     pool = w.mgr.pool
     block = pool.free_order()[0]
-    w.mgr._pins[block] += 1  # plant: a pin that stays after every request has ended
+    w.mgr.pending.pins[block] += 1  # plant: a pin that stays after every request has ended
     pool._ref[block] = 1
     pool._free.remove(block)
     with pytest.raises(InvariantError, match=r"leak") as info:

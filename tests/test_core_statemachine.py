@@ -134,7 +134,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         return [
             r
             for r in self._idle_device()
-            if any(mgr.pool.ref_count(b) > 1 or b in mgr._host_twin for b in mgr.block_table(r))
+            if any(
+                mgr.pool.ref_count(b) > 1 or b in mgr.pending.host_twin for b in mgr.block_table(r)
+            )
         ]
 
     def _twin_writers(self) -> list[str]:
@@ -143,7 +145,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for rid in self._appendable():
             table = self.m.block_table(rid)
             i = self.live[rid].num_computed_tokens // self.bs
-            if i < len(table) and table[i] in self.m._host_twin:
+            if i < len(table) and table[i] in self.m.pending.host_twin:
                 out.append(rid)
         return out
 
@@ -199,7 +201,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert len(table) == cdiv(got + num_new, bs)
         for i, (block_id, on_host) in enumerate(hits[: got // bs]):
             if on_host:  # a host hit: a fresh device block, filled by a swap-in this step
-                assert mgr._swap_in[table[i]] == block_id and mgr.host_pins()[block_id] >= 1
+                assert mgr.pending.swap_in[table[i]] == block_id and mgr.host_pins()[block_id] >= 1
             else:
                 assert table[i] == block_id, "device hits must keep their place in the table"
                 assert pool.block_hash(block_id) == request.block_hashes[i], "hit was evicted"

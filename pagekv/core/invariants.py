@@ -1,8 +1,8 @@
 """Invariant checks over the memory manager: pure functions that raise ``InvariantError``.
 
-Owns nothing. Reads the pool's and manager's internals (that is its job) and never changes
-them. Tests run these after every step; the engine runs them when ``check_invariants`` is on;
-benchmarks leave them off. Must not import torch.
+Owns nothing. Reads the internals of the pools, the manager, its block tables and its pending
+transfers (that is its job) and never changes them. Tests run these after every step; the
+engine runs them when ``check_invariants`` is on; benchmarks leave them off. Must not import torch.
 
 Checked:
 - every block is exactly one of FREE (in the free list), IN USE (ref > 0) or EVICTABLE
@@ -107,10 +107,10 @@ def check_manager(manager: KVCacheManager) -> None:
     """Pools, ref counts against tables, table coverage, and twins."""
     pool = manager.pool
     check_pool(pool)
-    device = [(rid, t.blocks) for rid, t in manager._tables.items()]
+    device = [(rid, t.blocks) for rid, t in manager.tables.device.items()]
     owners = _owners(device)
-    _check_refs(pool, owners, manager._pins, "device")
-    for rid, table in manager._tables.items():
+    _check_refs(pool, owners, manager.pending.pins, "device")
+    for rid, table in manager.tables.device.items():
         if len(table.blocks) * manager.block_size < table.request.num_computed_tokens:
             _fail(
                 f"table of {rid!r} does not cover its computed tokens", pool, table.blocks, owners
@@ -118,8 +118,8 @@ def check_manager(manager: KVCacheManager) -> None:
     host = manager.host_pool
     if host is not None:
         check_pool(host)
-        host_owners = _owners((rid, t.blocks) for rid, t in manager._host_tables.items())
-        _check_refs(host, host_owners, manager._host_pins, "host")
+        host_owners = _owners((rid, t.blocks) for rid, t in manager.tables.host.items())
+        _check_refs(host, host_owners, manager.pending.host_pins, "host")
         _check_host_cache(manager, host)
     _check_twins(manager)
 
@@ -132,8 +132,8 @@ def _check_host_cache(manager: KVCacheManager, host: BlockPool) -> None:
             _fail("a swap-only host pool holds prefix-cache entries", host, cached)
         return
     loads = manager.tier_state.pending_loads
-    filling = [*loads, *(h for h in manager._swap_out if host._hash[h] is not None)]
-    bad = [h for h in filling if manager._host_pins[h] < 1]
+    filling = [*loads, *(h for h in manager.pending.swap_out if host._hash[h] is not None)]
+    bad = [h for h in filling if manager.pending.host_pins[h] < 1]
     if bad:
         _fail("a host block being filled (load or offload) is not pinned", host, bad)
     for h, block_hash in loads.items():
@@ -143,13 +143,13 @@ def _check_host_cache(manager: KVCacheManager, host: BlockPool) -> None:
 
 def _check_twins(manager: KVCacheManager) -> None:
     pool, host = manager.pool, manager.host_pool
-    for d, h in manager._host_twin.items():
-        if manager._device_twin.get(h) != d:
+    for d, h in manager.pending.host_twin.items():
+        if manager.pending.device_twin.get(h) != d:
             _fail(f"twin of device block {d} (host {h}) is not mutual", pool, [d])
         if pool._ref[d] == 0 or host is None or host._ref[h] == 0:
             _fail(f"twin of device block {d} (host {h}) is not alive on both sides", pool, [d])
-    for h, d in manager._device_twin.items():
-        if manager._host_twin.get(d) != h:
+    for h, d in manager.pending.device_twin.items():
+        if manager.pending.host_twin.get(d) != h:
             _fail(f"twin of host block {h} (device {d}) is not mutual", pool, [d])
 
 
@@ -166,7 +166,7 @@ def check_plan(manager: KVCacheManager, plan: Plan) -> None:
         written = {blocks[i] for i in range(s.start_position // bs, -(end // -bs))}
         shared = [b for b in written if pool._ref[b] > 1]
         if shared:
-            owners = _owners((rid, t.blocks) for rid, t in manager._tables.items())
+            owners = _owners((rid, t.blocks) for rid, t in manager.tables.device.items())
             _fail(
                 f"step {plan.step}: {s.request.request_id!r} writes into shared blocks",
                 pool,
@@ -178,7 +178,7 @@ def check_plan(manager: KVCacheManager, plan: Plan) -> None:
 def check_no_leak(manager: KVCacheManager) -> None:
     """After every request has ended: no table, no pin, every block free or evictable."""
     check_manager(manager)
-    leftovers = [*manager._tables, *manager._host_tables]
+    leftovers = [*manager.tables.device, *manager.tables.host]
     if leftovers:
         raise InvariantError(f"requests still hold blocks after all ended: {leftovers}")
     used = [b for b in range(manager.pool.num_blocks) if manager.pool._ref[b] > 0]

@@ -1,10 +1,12 @@
 """The KV cache manager: block tables, prefix hits, growth, fork, copy-on-write, swap.
 
-Owns: every request's block table (device, or host while swapped), the pins that keep transfer
-sources alive, and the pending swaps and copies. The ``BlockPool``s own reference counts; the
-``TierState`` (core/tier_state.py) owns the tiers below the device: the write policy, the
-pending storage saves and loads, the tier counters. The scheduler calls this facade; the
-runner only sees the ``BlockTransfers`` it hands out. Must not import torch.
+Owns, as the facade the scheduler calls: every request's block table (device, or host while
+swapped), the pins that keep transfer sources alive, and the pending swaps and copies. It
+decides what changes; two helpers hold the records: the ``BlockTables`` (core/block_table.py)
+and the ``PendingTransfers`` (core/transfers.py: pins, moves, copies, twins; every release goes
+through it). The ``BlockPool``s own reference counts; the ``TierState`` (core/tier_state.py)
+owns the tiers below the device: the write policy, the pending storage saves and loads, the
+tier counters. The runner only sees the ``BlockTransfers`` this hands out. Must not import torch.
 
 Token positions map to slots through the table (block size B = 4 here)::
 
@@ -19,38 +21,26 @@ ref count is > 1, ``append_slots`` gives it a fresh block, remaps its table, and
 
 The host pool has two uses and one accounting: swapped requests' blocks (in use) and, with a
 write policy, a host prefix cache (hashed blocks, evictable LRU, like the device's). The manager
-tells the tier state when it commits a block, takes a prefix hit or releases a host block; the
-tier state fills host-cache blocks through the manager's host pins and swap-out queue (an
-offload is a swap-out of a hashed block).
+tells the tier state when it commits a block or takes a prefix hit (and the pending transfers
+tell it when a host block is released); the tier state fills host-cache blocks through the
+manager's host pins and swap-out queue (an offload is a swap-out of a hashed block).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 from pagekv.core.block_pool import BlockHash, BlockPool
+from pagekv.core.block_table import BlockTables, cdiv
 from pagekv.core.plan import BlockTransfers
 from pagekv.core.prefix_cache import extend_hash_chain
 from pagekv.core.request import Request
 from pagekv.core.tier_policy import TierCounters, WritePolicy
 from pagekv.core.tier_state import Hit, Load, TierState
+from pagekv.core.transfers import PendingTransfers
 from pagekv.core.usage import KVUsage
 from pagekv.errors import InvalidRequestError, PromptTooLongError, UnknownRequestError
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
-
-
-@dataclass
-class _Table:
-    """A request's block table: logical block i -> physical block ``blocks[i]``."""
-
-    request: Request
-    blocks: list[int]
-    num_committed: int = 0  # blocks[:num_committed] are known to the prefix cache
 
 
 class KVCacheManager:
@@ -74,59 +64,45 @@ class KVCacheManager:
         self.host_pool = BlockPool(num_host_blocks, block_size) if num_host_blocks > 0 else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._tables: dict[str, _Table] = {}
-        self._host_tables: dict[str, _Table] = {}
-        self._pins: Counter[int] = Counter()  # device transfer sources, until taken
-        self._host_pins: Counter[int] = Counter()
-        # Pending transfers, keyed by destination so releasing a destination cancels its move:
-        self._swap_out: dict[int, int] = {}  # host block <- device block
-        self._swap_in: dict[int, int] = {}  # device block <- host block (source pinned)
-        # Pending copy-on-write copies, destination -> source, in the order they were made.
-        self._copies: dict[int, int] = {}
-        # Twins: a device block and a host block known to hold the same K/V, so a block shared
-        # by two swapped requests moves once. Broken when either side is written or released.
-        self._host_twin: dict[int, int] = {}
-        self._device_twin: dict[int, int] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.num_cow_copies = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self._tiers = TierState(self.pool, self.host_pool, write_policy, write_storage, self)
+        # The records this facade keeps, read by the invariant checks and the tests:
+        self.tables = BlockTables()  # device and host tables
+        self.pending = PendingTransfers(self.pool, self.host_pool, self._tiers)  # pins, moves
 
     # ---- queries --------------------------------------------------------------------------------
 
     def has_table(self, request_id: str) -> bool:
-        return request_id in self._tables
+        return self.tables.has_table(request_id)
 
     def is_swapped(self, request_id: str) -> bool:
-        return request_id in self._host_tables
+        return self.tables.is_swapped(request_id)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._table(request_id).blocks
+        return self.tables.block_table(request_id)
 
     def host_block_table(self, request_id: str) -> list[int]:
-        return self._host_table(request_id).blocks
+        return self.tables.host_block_table(request_id)
 
     def request_ids(self) -> list[str]:
-        return list(self._tables)
+        return self.tables.request_ids()
 
     def swapped_request_ids(self) -> list[str]:
-        return list(self._host_tables)
+        return self.tables.swapped_request_ids()
 
     def pins(self) -> Counter[int]:
-        return Counter(self._pins)
+        return Counter(self.pending.pins)
 
     def host_pins(self) -> Counter[int]:
-        return Counter(self._host_pins)
+        return Counter(self.pending.host_pins)
 
     def block_owners(self) -> dict[int, list[str]]:
         """Device block -> the requests whose tables point at it (for checks and the block map)."""
-        owners: dict[int, list[str]] = {}
-        for rid, table in self._tables.items():
-            for block_id in table.blocks:
-                owners.setdefault(block_id, []).append(rid)
-        return owners
+        return self.tables.block_owners()
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -202,7 +178,7 @@ class KVCacheManager:
         self.pool.touch([b for b, on_host in hits if not on_host])
         for b, on_host in hits:
             if on_host:
-                self._pin_host(b)
+                self.pending.pin_host(b)
         fresh = iter(self.pool.allocate(num_missing))
         blocks: list[int] = []
         num_committed = len(hits)
@@ -211,12 +187,12 @@ class KVCacheManager:
                 # Committed once its K/V has arrived (``commit`` skips pending swap-ins).
                 num_committed = min(num_committed, i)
                 dst = next(fresh)
-                self._swap_in[dst] = b
+                self.pending.queue_swap_in(dst, b)
                 blocks.append(dst)
             else:
                 blocks.append(b)
         blocks.extend(fresh)
-        self._tables[request.request_id] = _Table(request, blocks, num_committed)
+        self.tables.add(request, blocks, num_committed)
         num_hit_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_query_tokens += request.num_tokens
@@ -224,13 +200,9 @@ class KVCacheManager:
         self._tiers.on_prefix_hit(hits, request.block_hashes)
         return num_hit_tokens
 
-    def _check_unheld(self, request_id: str) -> None:
-        if request_id in self._tables or request_id in self._host_tables:
-            raise InvalidRequestError(f"request {request_id!r} already holds blocks", "request_id")
-
     def _check_new(self, request: Request, num_new_tokens: int) -> None:
         rid = request.request_id
-        self._check_unheld(rid)
+        self.tables.check_unheld(rid)
         if not isinstance(num_new_tokens, int) or num_new_tokens < 1:
             raise InvalidRequestError(
                 f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens"
@@ -254,7 +226,7 @@ class KVCacheManager:
         Grows the table to cover them and copies-on-write any shared block they fall into.
         Returns False, changing nothing, if the pool cannot supply the blocks now.
         """
-        table = self._table(request.request_id)
+        table = self.tables.lookup(request.request_id)
         if num_new_tokens < 1:
             raise InvalidRequestError(
                 f"num_new_tokens must be >= 1, got {num_new_tokens!r}", "num_new_tokens"
@@ -263,10 +235,11 @@ class KVCacheManager:
         blocks, block_size, ref = table.blocks, self.block_size, self.pool._ref
         start = request.num_computed_tokens
         first, last = start // block_size, (start + num_new_tokens - 1) // block_size
+        pending = self.pending
         if first == last < len(blocks) and ref[blocks[first]] == 1:
             # Writes land in one block this request alone holds: nothing to allocate or copy.
-            if self._host_twin:
-                self._break_twin(blocks[first])
+            if pending.host_twin:
+                pending.break_twin(blocks[first])
             return True
         if first == last == len(blocks):
             # A decode that opens a new block: one allocation, nothing shared to copy.
@@ -285,28 +258,19 @@ class KVCacheManager:
             self._copy_on_write(blocks, i)
         for _ in range(num_grow):
             blocks.append(self.pool.allocate_one())
-        if self._host_twin:
+        if pending.host_twin:
             for i in written:
-                self._break_twin(blocks[i])
+                pending.break_twin(blocks[i])
         return True
 
     def _copy_on_write(self, blocks: list[int], index: int) -> None:
-        shared = blocks[index]
-        # A block that is itself the destination of a pending copy holds nothing yet: copy
-        # from that copy's (pinned) source, since copies of one plan apply all at once.
-        src = self._copies.get(shared, shared)
-        dst = self.pool.allocate_one()
-        self._pins[src] += 1  # src stays alive (and unwritten) until the copy is taken
-        self.pool.touch([src])
-        blocks[index] = dst
-        self._release(self.pool, [shared])  # the table's reference moves to dst
-        self._copies[dst] = src
+        blocks[index] = self.pending.copy(blocks[index])
         self.num_cow_copies += 1
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the parent's whole table: every block shared, ref count + 1."""
-        table = self._table(parent.request_id)
-        self._check_unheld(child.request_id)
+        table = self.tables.lookup(parent.request_id)
+        self.tables.check_unheld(child.request_id)
         if child.num_computed_tokens != parent.num_computed_tokens:
             raise InvalidRequestError(
                 "a fork starts at the parent's computed tokens "
@@ -314,19 +278,19 @@ class KVCacheManager:
                 "num_computed_tokens",
             )
         self.pool.touch(table.blocks)
-        self._tables[child.request_id] = _Table(child, list(table.blocks), table.num_committed)
+        self.tables.add(child, table.blocks, table.num_committed)
         child.block_hashes = list(parent.block_hashes)
 
     def free(self, request_id: str) -> None:
         """Release everything the request holds, device and host; its table is gone."""
-        table = self._tables.pop(request_id, None)
-        host_table = self._host_tables.pop(request_id, None)
+        table = self.tables.pop(request_id)
+        host_table = self.tables.pop_host(request_id)
         if table is None and host_table is None:
             raise UnknownRequestError(f"request {request_id!r} holds no blocks")
         if table is not None:
-            self._release(self.pool, table.blocks[::-1])
+            self.pending.release(self.pool, table.blocks[::-1])
         if host_table is not None and self.host_pool is not None:
-            self._release(self.host_pool, host_table.blocks[::-1])
+            self.pending.release(self.host_pool, host_table.blocks[::-1])
 
     def commit(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache.
@@ -334,7 +298,7 @@ class KVCacheManager:
         Called after the step that wrote them, never before: a block is a cache hit only once
         its K/V exists. A block newly cached is the tier state's to copy down.
         """
-        table = self._table(request.request_id)
+        table = self.tables.lookup(request.request_id)
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
@@ -343,7 +307,7 @@ class KVCacheManager:
         chain = self._hash_chain(request, num_full)
         for i in range(table.num_committed, num_full):
             block_id = table.blocks[i]
-            if block_id in self._copies or block_id in self._swap_in:
+            if self.pending.is_incoming(block_id):
                 # Its K/V arrives with a transfer not yet applied: not a cache hit until then
                 # (and a pending transfer is only ever cancelled into a block nobody caches).
                 num_full = i
@@ -367,106 +331,33 @@ class KVCacheManager:
         A block whose host twin is still valid (shared with a request swapped earlier) is not
         moved again; the host block gains a reference instead.
         """
-        table = self._table(request_id)
+        table = self.tables.lookup(request_id)
         host = self.host_pool
         if host is None:
             return False
-        num_moves = sum(1 for b in table.blocks if b not in self._host_twin)
+        num_moves = self.pending.num_moves(table.blocks, to_host=True)
         if num_moves > host.num_free_blocks:
             return False
-        host_blocks = self._move(table.blocks, True, self._swap_out)
-        del self._tables[request_id]
-        self._release(self.pool, table.blocks[::-1])
-        self._host_tables[request_id] = _Table(table.request, host_blocks)
+        host_blocks = self.pending.move(table.blocks, to_host=True)
+        self.tables.pop(request_id)
+        self.pending.release(self.pool, table.blocks[::-1])
+        self.tables.add_host(table.request, host_blocks)
         self.num_swapped_out_blocks += num_moves
         return True
 
     def swap_in(self, request_id: str) -> bool:
         """Bring a swapped request's blocks back to the device; False if the pool lacks room."""
-        host_table = self._host_table(request_id)
-        num_moves = sum(1 for h in host_table.blocks if h not in self._device_twin)
+        host_table = self.tables.lookup_host(request_id)
+        num_moves = self.pending.num_moves(host_table.blocks, to_host=False)
         if num_moves > self.pool.num_free_blocks:
             return False
-        blocks = self._move(host_table.blocks, False, self._swap_in)
+        blocks = self.pending.move(host_table.blocks, to_host=False)
         assert self.host_pool is not None  # a host table implies a host pool
-        del self._host_tables[request_id]
-        self._release(self.host_pool, host_table.blocks[::-1])
-        self._tables[request_id] = _Table(host_table.request, blocks)
+        self.tables.pop_host(request_id)
+        self.pending.release(self.host_pool, host_table.blocks[::-1])
+        self.tables.add(host_table.request, blocks)
         self.num_swapped_in_blocks += num_moves
         return True
-
-    def _move(self, blocks: Sequence[int], to_host: bool, moves: dict[int, int]) -> list[int]:
-        """Map each block to the other pool: its live twin, or a new block plus a move.
-
-        A swap-in's host source is pinned until the plan is taken, so no swap-out of the same
-        step can overwrite it. (A swap-out's device source needs no pin: swap-outs run first.)
-        """
-        dst_pool = self.host_pool if to_host else self.pool
-        assert dst_pool is not None
-        twin, back = (
-            (self._host_twin, self._device_twin)
-            if to_host
-            else (self._device_twin, self._host_twin)
-        )
-        out: list[int] = []
-        for block_id in blocks:
-            target = twin.get(block_id)
-            if target is None:
-                target = dst_pool.allocate_one()
-                twin[block_id] = target
-                back[target] = block_id
-                if to_host:
-                    # A pending copy's destination is not written yet: move from its source.
-                    moves[target] = self._copies.get(block_id, block_id)
-                else:
-                    moves[target] = block_id
-                    self._pin_host(block_id)
-            else:
-                dst_pool.touch([target])
-            out.append(target)
-        return out
-
-    def _break_twin(self, block_id: int, host: bool = False) -> None:
-        twin, back = (
-            (self._device_twin, self._host_twin) if host else (self._host_twin, self._device_twin)
-        )
-        other = twin.pop(block_id, None)
-        if other is not None:
-            back.pop(other, None)
-
-    # ---- pins and releases ----------------------------------------------------------------------
-
-    def _release(self, pool: BlockPool, blocks: Sequence[int]) -> None:
-        """Free blocks. A block reaching ref 0 loses its twin, and any pending transfer into it
-        is cancelled: nobody will read it, and it may be handed out again this very step."""
-        pool.free(blocks)
-        loads = self._tiers.pending_loads
-        if not (self._host_twin or self._copies or self._swap_in or self._swap_out or loads):
-            return
-        is_host = pool is self.host_pool
-        for block_id in blocks:
-            if pool._ref[block_id] != 0:
-                continue
-            self._break_twin(block_id, host=is_host)
-            if is_host:
-                self._swap_out.pop(block_id, None)
-                self._tiers.on_host_release(block_id)
-            elif block_id in self._copies:
-                self._unpin(self.pool, self._pins, self._copies.pop(block_id))
-            elif block_id in self._swap_in:
-                self._unpin(self.host_pool, self._host_pins, self._swap_in.pop(block_id))
-
-    def _pin_host(self, block_id: int) -> None:
-        assert self.host_pool is not None
-        self._host_pins[block_id] += 1
-        self.host_pool.touch([block_id])
-
-    def _unpin(self, pool: BlockPool | None, pins: Counter[int], block_id: int) -> None:
-        assert pool is not None
-        pins[block_id] -= 1
-        if pins[block_id] == 0:
-            del pins[block_id]
-        self._release(pool, [block_id])
 
     # ---- the tier state, and what it needs of the pins and swap-outs (``HostFills``) ------------
 
@@ -504,45 +395,30 @@ class KVCacheManager:
         # The pending loads, where tests that watch every pending transfer look for them.
         return self._tiers.pending_loads
 
+    @property
+    def _swap_out(self) -> Mapping[int, int]:
+        # The pending swap-outs (host block <- device block), where the tier manager's check
+        # looks for them.
+        return self.pending.swap_out
+
     def load_host(self, hashes: Sequence[BlockHash]) -> list[Load]:
         """Place blocks prefetched from storage into new host blocks (``TierState.load_host``)."""
         return self._tiers.load_host(hashes)
 
     def pin_fill(self, host_block: int) -> None:
-        self._host_pins[host_block] += 1  # the allocation's reference, dropped when taken
+        self.pending.pin_fill(host_block)  # the allocation's reference, dropped when taken
 
     def queue_offload(self, device_block: int, host_block: int) -> None:
-        self._swap_out[host_block] = device_block
+        self.pending.queue_offload(device_block, host_block)
 
     def swap_out_source(self, host_block: int) -> int | None:
-        return self._swap_out.get(host_block)
+        return self.pending.swap_out_source(host_block)
 
     # ---- hand-off to the runner, reporting ------------------------------------------------------
 
     def take_transfers(self) -> BlockTransfers:
         """Hand out the pending transfers (in apply order) and release their sources' pins."""
-        saves, loads = self._tiers.take()
-        transfers = BlockTransfers(
-            saves=saves,
-            loads=loads,
-            swap_out=tuple((src, dst) for dst, src in self._swap_out.items()),
-            swap_in=tuple((src, dst) for dst, src in self._swap_in.items()),
-            copies=tuple((src, dst) for dst, src in self._copies.items()),
-        )
-        self._swap_out.clear()
-        self._swap_in.clear()
-        self._copies.clear()
-        if self._pins:
-            pinned = list(self._pins.elements())
-            self._pins.clear()
-            self._release(self.pool, pinned)
-        if self._host_pins and self.host_pool is not None:
-            # Last pinned, first released: a chain's tail then leaves the host LRU before its
-            # head (as ``free`` does on the device), so what stays is a usable prefix.
-            pinned = list(self._host_pins.elements())[::-1]
-            self._host_pins.clear()
-            self._release(self.host_pool, pinned)
-        return transfers
+        return self.pending.take()
 
     def usage(self) -> KVUsage:
         """A snapshot of the device pool and the counters (see ``core/usage.py``)."""
@@ -550,16 +426,4 @@ class KVCacheManager:
 
     def table_fills(self) -> Iterator[tuple[list[int], int]]:
         """Each device table's blocks and its request's computed tokens (for ``usage``)."""
-        return ((t.blocks, t.request.num_computed_tokens) for t in self._tables.values())
-
-    def _table(self, request_id: str) -> _Table:
-        table = self._tables.get(request_id)
-        if table is None:
-            raise UnknownRequestError(f"request {request_id!r} holds no device blocks")
-        return table
-
-    def _host_table(self, request_id: str) -> _Table:
-        table = self._host_tables.get(request_id)
-        if table is None:
-            raise UnknownRequestError(f"request {request_id!r} is not swapped out")
-        return table
+        return self.tables.table_fills()

@@ -4,11 +4,12 @@ Owns: the ``WritePolicy`` and the two switches it implies (``host_caching``: the
 caches prefix blocks; ``write_storage``: blocks are written to the storage tier), the pending
 ``StorageWrite``s and storage loads that go out with the next plan, the hit counts behind
 ``write_through_selective``, the host-block check (``verify_host``) and the ``TierCounters``.
-The KV cache manager owns the block tables, the pins and the swap-outs; it calls this object
-when it commits a block, takes a prefix hit, releases a host block and hands out a plan, and
-lends it the pins and the swap-out queue that an offload or a load needs (``HostFills``).
-Under write_back the pools call it as they evict. What the storage tier holds is the tier
-manager's record (tiering/manager.py). Must not import torch.
+The KV cache manager owns the block tables, the pins and the swap-outs (held in its
+``BlockTables`` and ``PendingTransfers``); it calls this object when it commits a block or takes
+a prefix hit, its pending transfers call it when a host block is released and a plan is handed
+out, and it lends it the pins and the swap-out queue that an offload or a load needs
+(``HostFills``). Under write_back the pools call it as they evict. What the storage tier holds
+is the tier manager's record (tiering/manager.py). Must not import torch.
 
 A prefix block lives on the device, the host, in storage, or several. The pools' hash indexes
 say where in memory (``residency``); a prefix hit takes each block from the device, or else
