@@ -77,7 +77,7 @@ def manager_state(manager: KVCacheManager) -> dict[str, Any]:
             m.num_swapped_out_blocks,
             m.num_swapped_in_blocks,
         ),
-        "tier": dataclasses.asdict(m.tier),
+        "tier": dataclasses.asdict(m.tier_state.counters),
     }
 
 

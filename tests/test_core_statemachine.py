@@ -87,7 +87,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.kv = SimulatedKV(num_blocks, num_host_blocks, block_size)
         self.corrupt: set[int] = set()  # host blocks whose bytes a rule damaged
         # The tier manager's check, played by the simulation: the block holds its hash's K/V.
-        self.mgr.verify_host = lambda b, h: self.kv.host[b] == self.hash_content.get(h)
+        self.mgr.tier_state.verify_host = lambda b, h: self.kv.host[b] == self.hash_content.get(h)
         self.max_tokens = (num_blocks // 2) * block_size  # no request outgrows half the pool
         self.max_prompt = min(self.max_tokens, 3 * block_size + 2)
 
@@ -179,7 +179,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         need = cdiv(cached + num_new, bs) - len(device_hits)
         room = pool.num_free_blocks - sum(1 for b in device_hits if pool.is_evictable(b))
         num_free_before, evictions_before = len(list(pool.iter_free())), pool.num_evictions
-        failures_before = mgr.tier.host_verify_failures
+        failures_before = mgr.tier_state.counters.host_verify_failures
         before = manager_state(mgr)
         try:
             got = mgr.allocate(request, num_new)
@@ -187,7 +187,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert cdiv(request.num_tokens, bs) > pool.num_blocks
             assert manager_state(mgr) == before
             return
-        verify_failed = mgr.tier.host_verify_failures > failures_before
+        verify_failed = mgr.tier_state.counters.host_verify_failures > failures_before
         if verify_failed:
             assert any(b in self.corrupt for b, on_host in hits if on_host), "a sound block failed"
         if got is None:
@@ -243,27 +243,29 @@ class KVManagerMachine(RuleBasedStateMachine):
         request = self.waiting.pop(data.draw(st.integers(0, len(self.waiting) - 1)))
         self._admit(request, chunk)
 
-    @precondition(lambda self: self.kv.storage and self.m.host_caching)
+    @precondition(lambda self: self.kv.storage and self.m.tier_state.host_caching)
     @rule(data=st.data())
     def prefetch(self, data: st.DataObject) -> None:
         """Blocks the storage tier holds come back into host blocks (the tier manager's job)."""
         hashes = data.draw(st.lists(st.sampled_from(sorted(self.kv.storage)), max_size=4))
         host = self.m.host_pool
         assert host is not None
-        placed = self.m.load_host(hashes)
+        placed = self.m.tier_state.load_host(hashes)
         for block_hash, host_block in placed:
             assert host.block_hash(host_block) == block_hash
             assert self.m.host_pins()[host_block] >= 1, "a load's destination must be pinned"
             assert self.m.residency(block_hash)[0] is None, "loaded a block already on the device"
 
-    @precondition(lambda self: self.m.host_caching and self.m.host_pool.num_evictable_blocks)
+    @precondition(
+        lambda self: self.m.tier_state.host_caching and self.m.host_pool.num_evictable_blocks
+    )
     @rule(data=st.data())
     def corrupt_host_block(self, data: st.DataObject) -> None:
         """Damage a cached host block's bytes: verification must keep it from being used."""
         host = self.m.host_pool
         assert host is not None
         block_id = data.draw(st.sampled_from(sorted(host.iter_evictable())))
-        if block_id in self.m._swap_out or block_id in self.m._loads:
+        if block_id in self.m.pending.swap_out or block_id in self.m.tier_state.pending_loads:
             return  # its K/V is still on the way in and will overwrite the damage
         self.kv.host[block_id] = [None] * self.bs
         self.corrupt.add(block_id)
@@ -435,7 +437,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert not mgr.pins() and not mgr.host_pins(), "take_transfers left pins behind"
         assert not mgr.take_transfers(), "take_transfers must clear what it hands out"
         # As the tier manager does: a host block is verified before it is written to storage.
-        verify = self.m.verify_host
+        verify = self.m.tier_state.verify_host
         assert verify is not None
         saves = tuple(
             w for w in transfers.saves if not w.on_host or verify(w.block_id, w.block_hash)
@@ -482,9 +484,13 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert self.kv.device[block_id] == self.hash_content[block_hash], (
                 f"cached block {block_id} does not hold the K/V its hash names"
             )
-        if mgr.host_caching and mgr.host_pool is not None:
+        if mgr.tier_state.host_caching and mgr.host_pool is not None:
             for block_hash, block_id in mgr.host_pool.index_items():
-                if block_id in self.corrupt or block_id in mgr._swap_out or block_id in mgr._loads:
+                if (
+                    block_id in self.corrupt
+                    or block_id in mgr.pending.swap_out
+                    or block_id in mgr.tier_state.pending_loads
+                ):
                     continue  # damaged on purpose, or its K/V arrives with the next plan
                 assert self.kv.host[block_id] == self.hash_content[block_hash], (
                     f"host-cached block {block_id} does not hold the K/V its hash names"

@@ -40,7 +40,9 @@ def test_write_through_offloads_each_block_as_it_is_committed() -> None:
     assert kv.residency(request.block_hashes[0]) == (0, 0)
     assert kv.host_pins() == {}  # taken: the host copies are now evictable cache entries
     assert kv.host_pool is not None and kv.host_pool.num_evictable_blocks == 2
-    assert kv.tier.offloaded_blocks == 2 and kv.tier.storage_writes == 2
+    assert (
+        kv.tier_state.counters.offloaded_blocks == 2 and kv.tier_state.counters.storage_writes == 2
+    )
     check_manager(kv)
 
 
@@ -81,7 +83,7 @@ def test_selective_writes_down_at_the_second_hit() -> None:
     assert not kv.take_transfers().swap_out
     prefill(kv, make_request("c", prompt))  # second hit: copied to the host now
     assert len(kv.take_transfers().swap_out) == 2
-    assert kv.tier.offloaded_blocks == 2
+    assert kv.tier_state.counters.offloaded_blocks == 2
 
 
 def test_host_hit_is_a_swap_in_into_a_fresh_block_committed_after_it_lands() -> None:
@@ -99,7 +101,7 @@ def test_host_hit_is_a_swap_in_into_a_fresh_block_committed_after_it_lands() -> 
     table = kv.block_table("a2")
     t = kv.take_transfers()
     assert {dst for _, dst in t.swap_in} == set(table[:2])
-    assert kv.tier.host_hit_blocks == 2
+    assert kv.tier_state.counters.host_hit_blocks == 2
     again.num_computed_tokens = 9
     kv.commit(again)  # after the swap-ins were taken: the device copies become cache entries
     assert [kv.pool.block_hash(b) for b in table[:2]] == again.block_hashes[:2]
@@ -117,10 +119,10 @@ def test_a_host_block_that_fails_verification_is_dropped_and_recomputed() -> Non
     first_hash = make_request("h", tokens(9))
     kv.num_cached_tokens(first_hash)  # computes its hash chain
     damaged = kv.residency(first_hash.block_hashes[1])[1]
-    kv.verify_host = lambda block, block_hash: block != damaged
+    kv.tier_state.verify_host = lambda block, block_hash: block != damaged
     request = make_request("a3", tokens(9))
     assert kv.allocate(request, 5) == 4  # block 0 from the host; block 1 failed: recomputed
-    assert kv.tier.host_verify_failures == 1
+    assert kv.tier_state.counters.host_verify_failures == 1
     assert kv.residency(first_hash.block_hashes[1]) == (None, None)  # dropped, not reused
     check_manager(kv)
 
@@ -128,11 +130,11 @@ def test_a_host_block_that_fails_verification_is_dropped_and_recomputed() -> Non
 def test_load_host_places_pins_and_stops_when_the_host_is_full() -> None:
     kv = manager("write_through", host=2)
     hashes = [bytes([i]) * 16 for i in range(3)]
-    placed = kv.load_host(hashes)
+    placed = kv.tier_state.load_host(hashes)
     assert [h for h, _ in placed] == hashes[:2]
-    assert kv.tier.host_full_skips == 1
+    assert kv.tier_state.counters.host_full_skips == 1
     assert kv.host_pins() == {0: 1, 1: 1}
-    assert kv.load_host(hashes[:1]) == []  # already resident
+    assert kv.tier_state.load_host(hashes[:1]) == []  # already resident
     t = kv.take_transfers()
     assert t.loads == tuple(placed)
     assert kv.residency(hashes[0]) == (None, placed[0][1])

@@ -126,7 +126,7 @@ def check_manager(manager: KVCacheManager) -> None:
 
 def _check_host_cache(manager: KVCacheManager, host: BlockPool) -> None:
     """Only a caching host pool holds hashes; a block still being filled is pinned and hashed."""
-    if not manager.host_caching:
+    if not manager.tier_state.host_caching:
         cached = [b for b in range(host.num_blocks) if host._hash[b] is not None]
         if cached:
             _fail("a swap-only host pool holds prefix-cache entries", host, cached)

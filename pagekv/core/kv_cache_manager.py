@@ -29,15 +29,15 @@ manager's host pins and swap-out queue (an offload is a swap-out of a hashed blo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator
 
 from pagekv.core.block_pool import BlockHash, BlockPool
 from pagekv.core.block_table import BlockTables, cdiv
 from pagekv.core.plan import BlockTransfers
 from pagekv.core.prefix_cache import extend_hash_chain
 from pagekv.core.request import Request
-from pagekv.core.tier_policy import TierCounters, WritePolicy
-from pagekv.core.tier_state import Hit, Load, TierState
+from pagekv.core.tier_policy import WritePolicy
+from pagekv.core.tier_state import Hit, TierState
 from pagekv.core.transfers import PendingTransfers
 from pagekv.core.usage import KVUsage
 from pagekv.errors import InvalidRequestError, PromptTooLongError, UnknownRequestError
@@ -365,45 +365,6 @@ class KVCacheManager:
     def tier_state(self) -> TierState:
         """The write policy, the pending saves and loads, and the tier counters."""
         return self._tiers
-
-    @property
-    def tier(self) -> TierCounters:
-        return self._tiers.counters
-
-    @property
-    def host_caching(self) -> bool:
-        return self._tiers.host_caching
-
-    @property
-    def write_storage(self) -> bool:
-        return self._tiers.write_storage
-
-    @write_storage.setter
-    def write_storage(self, value: bool) -> None:
-        self._tiers.write_storage = value
-
-    @property
-    def verify_host(self) -> Callable[[int, BlockHash], bool] | None:
-        return self._tiers.verify_host
-
-    @verify_host.setter
-    def verify_host(self, check: Callable[[int, BlockHash], bool] | None) -> None:
-        self._tiers.verify_host = check
-
-    @property
-    def _loads(self) -> Mapping[int, BlockHash]:
-        # The pending loads, where tests that watch every pending transfer look for them.
-        return self._tiers.pending_loads
-
-    @property
-    def _swap_out(self) -> Mapping[int, int]:
-        # The pending swap-outs (host block <- device block), where the tier manager's check
-        # looks for them.
-        return self.pending.swap_out
-
-    def load_host(self, hashes: Sequence[BlockHash]) -> list[Load]:
-        """Place blocks prefetched from storage into new host blocks (``TierState.load_host``)."""
-        return self._tiers.load_host(hashes)
 
     def pin_fill(self, host_block: int) -> None:
         self.pending.pin_fill(host_block)  # the allocation's reference, dropped when taken

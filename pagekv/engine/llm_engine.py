@@ -147,10 +147,10 @@ class LLMEngine:
         )
         self.tiers: TierManager | None = None
         load_cost = LoadCostModel()
-        if self.kv.host_caching:
+        if self.kv.tier_state.host_caching:
             self.tiers, load_cost = build_tiers(config, self.kv, self.runner, self.loaded, store)
-            self.kv.verify_host = self.tiers.verify_host
-            self.kv.write_storage = self.tiers.store is not None
+            self.kv.tier_state.verify_host = self.tiers.verify_host
+            self.kv.tier_state.write_storage = self.tiers.store is not None
             weakref.finalize(self, self.tiers.close)  # flush writes even if close() is forgotten
         sched_cfg = _scheduler_config(config, self.max_model_len, load_cost)
         self.scheduler = Scheduler(sched_cfg, self.kv)
@@ -394,9 +394,9 @@ class LLMEngine:
             "swapped_out_blocks": usage.num_swapped_out_blocks,
             "swapped_in_blocks": usage.num_swapped_in_blocks,
             **asdict(self.scheduler.counters),
-            **asdict(self.kv.tier),
+            **asdict(self.kv.tier_state.counters),
             **(asdict(self.tiers.stats) if self.tiers is not None else {}),
-            "host_hit_bytes": self.kv.tier.host_hit_blocks * self._block_bytes,
+            "host_hit_bytes": self.kv.tier_state.counters.host_hit_blocks * self._block_bytes,
             "host_blocks_total": self.kv.num_host_blocks,
             "host_blocks_cached": (
                 len(self.kv.host_pool.index_items()) if self.kv.host_pool is not None else 0

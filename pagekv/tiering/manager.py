@@ -296,7 +296,7 @@ class TierManager:
             if not job.payloads:
                 continue
             payloads = dict(job.payloads)
-            placed = self.kv.load_host([h for h, _ in job.payloads])
+            placed = self.kv.tier_state.load_host([h for h, _ in job.payloads])
             for block_hash, _ in placed:
                 self._staged[block_hash] = payloads[block_hash]
             with self._lock:
@@ -374,8 +374,8 @@ class TierManager:
         """
         problems = []
         host = self.kv.host_pool
-        if self.kv.host_caching and host is not None:
-            pending = set(self.kv._swap_out) | set(self.kv.tier_state.pending_loads)
+        if self.kv.tier_state.host_caching and host is not None:
+            pending = set(self.kv.pending.swap_out) | set(self.kv.tier_state.pending_loads)
             for block_hash, block_id in host.index_items():
                 record = self._host_crc.get(block_id)
                 if block_id not in pending and (record is None or record[0] != block_hash):
