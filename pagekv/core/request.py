@@ -13,6 +13,7 @@ from enum import Enum
 
 from pagekv.core.block_pool import BlockHash
 from pagekv.core.ngram_index import NgramIndex
+from pagekv.errors import InvariantError
 from pagekv.sampling_params import SamplingParams
 
 
@@ -110,7 +111,8 @@ class Request:
     def replace_last_token(self, token_id: int) -> None:
         """Swap the last token for another: a held beam's provisional token becomes the one
         its group chose. Only an uncomputed token may change (no K/V was written for it)."""
-        assert self.num_computed_tokens < self.num_tokens, "the last token is already computed"
+        if self.num_computed_tokens >= self.num_tokens:
+            raise InvariantError(f"{self.request_id}: the last token is already computed")
         self.all_token_ids[-1] = token_id
 
     def hold(self) -> None:
