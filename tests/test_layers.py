@@ -235,11 +235,14 @@ def test_every_pagekv_file_parses() -> None:
         list(find_imports(path.read_text(), module_name(path)))
 
 
-def heavy_modules_after(imports: str) -> list[str]:
-    """Which of torch/numpy a fresh interpreter holds after ``import <imports>``."""
+def modules_after(imports: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules named by ``prefixes`` (a name or its submodules) that a fresh interpreter
+    holds after ``import <imports>``, sorted."""
     code = (
         f"import sys, {imports}\n"
-        "print(','.join(m for m in ('numpy', 'torch') if m in sys.modules))\n"
+        f"prefixes = {prefixes!r}\n"
+        "print(','.join(sorted(m for m in sys.modules\n"
+        "    if any(m == p or m.startswith(p + '.') for p in prefixes))))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code],
@@ -251,6 +254,11 @@ def heavy_modules_after(imports: str) -> list[str]:
     )
     assert result.returncode == 0, result.stderr
     return [m for m in result.stdout.strip().split(",") if m]
+
+
+def heavy_modules_after(imports: str) -> list[str]:
+    """Which of torch/numpy a fresh interpreter holds after ``import <imports>``."""
+    return [m for m in ("numpy", "torch") if m in modules_after(imports, ("numpy", "torch"))]
 
 
 def test_import_core_does_not_load_torch() -> None:

@@ -7,12 +7,10 @@ No servers: the backends that need one are only named here, never opened.
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from test_layers import modules_after
 
 from pagekv.tiering import registry
 from pagekv.tiering.memory_store import MemoryStore
@@ -102,19 +100,10 @@ def test_memory_and_file_open_without_any_client_library(tmp_path: Path) -> None
 
 
 def test_importing_the_registry_loads_no_backend() -> None:
-    code = (
-        "import sys, pagekv.tiering.registry, pagekv.tiering.store\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'mooncake', "
-        "'torch') or m.startswith(('pagekv.tiering.redis', 'pagekv.tiering.mooncake', "
-        "'pagekv.tiering.file'))))\n"
+    backends = ("pagekv.tiering.redis_store", "pagekv.tiering.mooncake_store")
+    backends += ("pagekv.tiering.mooncake_spec", "pagekv.tiering.file_store")
+    loaded = modules_after(
+        "pagekv.tiering.registry, pagekv.tiering.store", ("redis", "mooncake", "torch", *backends)
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert loaded == []
+    assert modules_after("pagekv.tiering.registry", ("pagekv.tiering.store",)) != []  # sees imports

@@ -12,11 +12,20 @@ stripes sum each output in one order for any row count; the tiles in one order u
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
 from pagekv.kernels.isa import TILE_UNITS
 from pagekv.models import layer_ops
+
+# Activation dtype -> the suffix of the C entry point built for it.
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def by_dtype(library: ctypes.CDLL, name: str) -> dict[torch.dtype, Any]:
+    """``{float32: library.<name>_f32, bfloat16: library.<name>_bf16}``."""
+    return {dtype: getattr(library, f"{name}_{suffix}") for dtype, suffix in SUFFIXES.items()}
 
 
 class DenseKernels:
@@ -29,14 +38,8 @@ class DenseKernels:
         self._best_unit = int(library.tiles_linear_unit())
         self.unit = self._best_unit  # which multiplies the tiles: 2 AMX, 1 vectors
         self.stripe = int(library.stripes_width())  # columns a stripe: two vectors
-        self._stripes_pack = {
-            torch.float32: library.stripes_pack_f32,
-            torch.bfloat16: library.stripes_pack_bf16,
-        }
-        self._stripes = {
-            torch.float32: library.stripes_linear_f32,
-            torch.bfloat16: library.stripes_linear_bf16,
-        }
+        self._stripes_pack = by_dtype(library, "stripes_pack")
+        self._stripes = by_dtype(library, "stripes_linear")
 
     @property
     def matmul_unit(self) -> str | None:

@@ -37,14 +37,13 @@ from typing import Any
 import torch
 
 from pagekv.kernels import build
-from pagekv.kernels.dense import DenseKernels
+from pagekv.kernels.dense import SUFFIXES, DenseKernels, by_dtype
 from pagekv.kernels.quant import PackedQuant, QuantKernels
 from pagekv.models import layer_ops
 from pagekv.models.quantized import QuantizedWeight
 
 DISABLE_ENV = "PAGEKV_FUSED_OPS"
 
-_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # The most rows a layer half goes through in one C call on stripes (a decode batch; the tiles
 # have their own limit).
 ONE_CALL_MAX_ROWS = 256
@@ -59,26 +58,20 @@ class FusedOps:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions: dict[tuple[str, torch.dtype], Any] = {  # ctypes functions
-            (op, dtype): getattr(library, f"{op}_{suffix}")
+            (op, dtype): function
             for op in ("add_rms_norm", "split_rope", "silu_mul")
-            for dtype, suffix in _SUFFIXES.items()
+            for dtype, function in by_dtype(library, op).items()
         }
         self._attention_inputs = library.attention_inputs_bf16
         self._mlp_block = library.mlp_block_bf16
-        self._quant_attention_inputs = {
-            torch.float32: library.attention_inputs_quant_f32,
-            torch.bfloat16: library.attention_inputs_quant_bf16,
-        }
-        self._quant_mlp_block = {
-            torch.float32: library.mlp_block_quant_f32,
-            torch.bfloat16: library.mlp_block_quant_bf16,
-        }
+        self._quant_attention_inputs = by_dtype(library, "attention_inputs_quant")
+        self._quant_mlp_block = by_dtype(library, "mlp_block_quant")
         self.dense = DenseKernels(library)
         self.quant = QuantKernels(library, self.dense.stripe)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
-        return dtype in _SUFFIXES
+        return dtype in SUFFIXES
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_rows(x, weight)
@@ -121,7 +114,7 @@ class FusedOps:
         half = cos.shape[-1]
         head_dim = 2 * half
         if not (
-            qkv.dtype in _SUFFIXES
+            qkv.dtype in SUFFIXES
             and qkv.stride(1) == 1
             and width == (num_heads + 2 * num_kv_heads) * head_dim
             and cos.dtype == sin.dtype == torch.float32
@@ -327,7 +320,7 @@ class FusedOps:
             isinstance(packed, PackedQuant) and packed.shape == weight.shape and bias is None
             for weight, packed, bias in linears
         ):
-            quant_ok = rows <= ONE_CALL_MAX_ROWS and residual.dtype in _SUFFIXES
+            quant_ok = rows <= ONE_CALL_MAX_ROWS and residual.dtype in SUFFIXES
             return "quant" if quant_ok else None
         dense_ok = rows <= (self.dense.tiles_max_rows or ONE_CALL_MAX_ROWS)
         return "dense" if dense_ok and self._fits_dense(residual, linears) else None
@@ -347,7 +340,7 @@ class FusedOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if not (
-            gate_up.dtype in _SUFFIXES
+            gate_up.dtype in SUFFIXES
             and gate_up.is_contiguous()
             and gate_up.dim() == 2
             and gate_up.shape[1] % 2 == 0
@@ -383,7 +376,7 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
         and weight.is_contiguous()
         and weight.shape == (x.shape[1],)
         and x.dtype == weight.dtype
-        and x.dtype in _SUFFIXES
+        and x.dtype in SUFFIXES
     ):
         raise ValueError("fused rms_norm: x must be a contiguous [T, hidden] like its weight")
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagekv.kernels.dense import by_dtype
 from pagekv.models import layer_ops
 from pagekv.models.quantized import QuantFormat, QuantizedWeight, decode
 
@@ -66,10 +67,7 @@ class QuantKernels:
     def __init__(self, library: ctypes.CDLL, stripe: int) -> None:
         self._lib = library
         self.stripe = stripe
-        self._linear = {
-            torch.float32: library.quant_linear_f32,
-            torch.bfloat16: library.quant_linear_bf16,
-        }
+        self._linear = by_dtype(library, "quant_linear")
 
     def pack(
         self, weight: QuantizedWeight, allocate: layer_ops.Allocate = layer_ops.torch_empty
