@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.errors import InvalidRequestError, PagekvError
-from pagekv.sampling_params import SamplingParams
+from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pagekv.engine.llm_engine import LLMEngine
@@ -30,6 +30,7 @@ __all__ = [
     "PagekvError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 

@@ -8,8 +8,10 @@ the engine allocates anything. Every number must be finite (no NaN, no infinity)
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from pagekv.errors import InvalidRequestError
 
@@ -42,6 +44,59 @@ def _is_finite(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the text a request may generate (vLLM's name and fields); exactly one
+    is set. ``json``: a JSON schema (a dict or its JSON text); ``json_object``: any JSON
+    object; ``regex``: a regular expression the whole output matches; ``choice``: one of these
+    strings; ``grammar``: a Lark or GBNF grammar. Whether a schema, expression or grammar can
+    be compiled is checked by the engine (``engine/structured_output.py``), which owns the
+    compiler; here only the shape.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, str):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        param = "structured_outputs"
+        given = [name for name, value in self.items() if value not in (None, False)]
+        _check(len(given) == 1, param, f"exactly one constraint must be set, got {given}")
+        (kind,) = given
+        value = getattr(self, kind)
+        if kind == "json":
+            _check(isinstance(value, str | dict), f"{param}.json", "must be a schema object")
+        elif kind == "json_object":
+            _check(value is True, f"{param}.json_object", "must be true or unset")
+        elif kind == "choice":
+            _check(
+                isinstance(value, tuple) and bool(value) and all(isinstance(c, str) for c in value),
+                f"{param}.choice",
+                "must be a non-empty list of strings",
+            )
+        else:
+            _check(isinstance(value, str) and bool(value), f"{param}.{kind}", "must be text")
+
+    def items(self) -> list[tuple[str, object]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, json_object, regex, choice or grammar."""
+        return next(name for name, value in self.items() if value not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """The constraint as hashable text (a compiled-grammar cache key)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict | tuple):
+            return self.kind, json.dumps(value, sort_keys=True)
+        return self.kind, str(value)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping settings of one request.
 
@@ -53,7 +108,8 @@ class SamplingParams:
     before anything else: ``repetition_penalty`` divides a positive logit (multiplies a
     negative one) of every token in the prompt or the output so far; then each token's logit
     loses ``frequency_penalty`` times its count in the output, and ``presence_penalty`` once if
-    it occurs there at all.
+    it occurs there at all. ``structured_outputs`` constrains the text to a JSON schema, a
+    regular expression, a choice or a grammar: tokens that would leave it are never drawn.
     """
 
     n: int = 1
@@ -74,6 +130,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string or list, as the OpenAI API does; store tuples (frozen).
@@ -90,6 +147,12 @@ class SamplingParams:
         self._validate_stopping()
         self._validate_logprobs()
         self._validate_penalties()
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
 
     def _validate_branches(self) -> None:
         """How many sequences: ``n`` and ``best_of``."""

@@ -51,6 +51,24 @@ def _json(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
 
+UNSATISFIABLE = {"allOf": [{"type": "string"}, {"type": "integer"}]}
+
+
+def schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def tool_def(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": "f"}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def named_choice(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
 # (id, path, raw body, expected status, expected error param)
 BAD_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
     ("malformed json", CMPL, b'{"prompt": "x",', 400, None),
@@ -96,18 +114,76 @@ BAD_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
         "top_logprobs",
     ),
     (
-        "json mode unsupported",
+        "response_format of no such type",
         CHAT,
-        _json({"messages": MESSAGES, "response_format": {"type": "json_object"}}),
+        _json({"messages": MESSAGES, "response_format": {"type": "xml"}}),
+        400,
+        "response_format.type",
+    ),
+    (
+        "json_schema that does not compile",
+        CHAT,
+        _json({"messages": MESSAGES, "response_format": schema_format({"type": "nope"})}),
         400,
         "response_format",
     ),
     (
-        "tools unsupported",
+        "unsatisfiable json_schema",
         CHAT,
-        _json({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        _json({"messages": MESSAGES, "response_format": schema_format(UNSATISFIABLE)}),
         400,
-        "tools",
+        "response_format",
+    ),
+    ("bad guided_regex", CMPL, _json({**OK, "guided_regex": "(("}), 400, "guided_regex"),
+    ("empty guided_choice", CMPL, _json({**OK, "guided_choice": []}), 400, "guided_choice"),
+    (
+        "two constraints",
+        CMPL,
+        _json({**OK, "guided_regex": "a+", "guided_choice": ["b"]}),
+        400,
+        "guided_choice",
+    ),
+    (
+        "unknown structured_outputs kind",
+        CMPL,
+        _json({**OK, "structured_outputs": {"xml": "<a/>"}}),
+        400,
+        "structured_outputs",
+    ),
+    (
+        "tool parameters that do not compile",
+        CHAT,
+        _json({"messages": MESSAGES, "tools": [tool_def({"type": "bogus"})]}),
+        400,
+        "tools[0].function.parameters",
+    ),
+    (
+        "tool_choice naming no tool",
+        CHAT,
+        _json({"messages": MESSAGES, "tools": [tool_def(None)], "tool_choice": named_choice("g")}),
+        400,
+        "tool_choice",
+    ),
+    (
+        "tool_choice required without tools",
+        CHAT,
+        _json({"messages": MESSAGES, "tool_choice": "required"}),
+        400,
+        "tool_choice",
+    ),
+    (
+        "a constrained tool call and a response_format",
+        CHAT,
+        _json(
+            {
+                "messages": MESSAGES,
+                "tools": [tool_def(None)],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            }
+        ),
+        400,
+        "response_format",
     ),
     ("chat n 10000", CHAT, _json({"messages": MESSAGES, "n": 10000}), 400, "n"),
     ("10 MB body", CMPL, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),

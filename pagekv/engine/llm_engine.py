@@ -31,16 +31,18 @@ from pagekv.core.tier_policy import LoadCostModel
 from pagekv.core.trace import TraceRecorder, block_hashes_hex
 from pagekv.engine.beam_driver import BeamDriver
 from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagekv.engine.block_map import block_map
 from pagekv.engine.config import EngineConfig, host_pool_bytes, parse_bytes, uses_lower_tiers
 from pagekv.engine.outputs import RequestOutput
 from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.engine.sanitizer import KVSanitizer
+from pagekv.engine.structured_output import StructuredOutputs
 from pagekv.engine.tier_setup import build_tiers, open_configured_store
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 from pagekv.models.loader import LoadedModel, load_model
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.model_runner import ModelRunner, SampledToken, quantized_kernels_available
-from pagekv.sampling_params import SamplingParams
+from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 from pagekv.tiering.manager import TierManager
 
 logger = logging.getLogger("pagekv")
@@ -155,6 +157,7 @@ class LLMEngine:
         sched_cfg = _scheduler_config(config, self.max_model_len, load_cost)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self._groups: dict[str, RequestGroup] = {}
+        self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size)
         # Each finished request's lengths and prefix-block hashes (no text), for ``pagekv sim``.
         self.trace = TraceRecorder(config.trace) if config.trace else None
         self._branch_of: dict[str, tuple[RequestGroup, Branch]] = {}
@@ -223,15 +226,22 @@ class LLMEngine:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
+        grammar = self.structured.compile(params.structured_outputs)
         group = RequestGroup.create(
             request_id, (text, ids), params, self.tokenizer, (cache_salt, priority)
         )
         self._groups[request_id] = group
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
+            if grammar is not None:
+                self.structured.track(branch.request.request_id, grammar)
         parent, *children = [b.request for b in group.branches]
         for request in self.scheduler.add_group(parent, children):
             self._prefetch(request)
+
+    def check_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
+        """Compile ``constraint`` (cached) or raise InvalidRequestError naming its field."""
+        self.structured.compile(constraint)
 
     def _prefetch(self, request: Request) -> None:
         """Ask the storage tier for the prefix blocks memory lacks, if waiting for them pays."""
@@ -307,7 +317,8 @@ class LLMEngine:
             self.tiers.apply(plan.transfers)
             if plan.is_empty and self.scheduler.loading:
                 self.tiers.wait(0.005)  # nothing to run until a prefetch lands: nap, not spin
-        sampled = self.runner.execute(plan)
+        masks = self.structured.masks(plan.scheduled) if len(self.structured) else None
+        sampled = self.runner.execute(plan, masks)
         if self.sanitizer is not None:
             self.sanitizer.after_execute(plan)
         finished = self.scheduler.update(
@@ -332,6 +343,9 @@ class LLMEngine:
                         break
             elif branch.on_token(token, rid in done):  # a stop string ended it
                 self._finish(branch, RequestStatus.FINISHED_STOPPED)
+            unfinished = rid not in done and not branch.output.finished
+            if unfinished and self.structured.advance(rid, branch.request.output_token_ids):
+                self._finish(branch, RequestStatus.FINISHED_STOPPED)  # its grammar is complete
         for beam_output in self.beams.finish_ready():
             self._beam_results[beam_output.request_id] = beam_output
         outputs = [g.to_output() for g in changed.values()]
@@ -363,6 +377,7 @@ class LLMEngine:
             rid = branch.request.request_id
             self._branch_of.pop(rid, None)
             self.runner.release(rid)
+            self.structured.release(rid)
 
     def close(self) -> None:
         """Finish writing to the storage tier and the trace; let go of the store. Idempotent."""
@@ -409,38 +424,5 @@ class LLMEngine:
         }
 
     def block_map(self) -> dict[str, Any]:
-        """Every device block's state, ref count, prefix hash and owners, as plain JSON data.
-
-        ``blocks`` is indexed by physical block id; ``hash`` is hex (None if uncommitted);
-        ``owners`` are the request ids whose block table points at the block. ``requests`` maps
-        each request with a device table to it; ``swapped`` each swapped-out request to its
-        host block table. Read-only; call it from the thread that steps the engine.
-        """
-        pool = self.kv.pool
-        requests = {rid: list(self.kv.block_table(rid)) for rid in self.kv.request_ids()}
-        owners: dict[int, list[str]] = {}
-        for rid, table in requests.items():
-            for block_id in dict.fromkeys(table):
-                owners.setdefault(block_id, []).append(rid)
-        blocks = []
-        for b in range(pool.num_blocks):
-            block_hash = pool.block_hash(b)
-            blocks.append(
-                {
-                    "id": b,
-                    "state": pool.state(b).value,
-                    "ref_count": pool.ref_count(b),
-                    "hash": None if block_hash is None else block_hash.hex(),
-                    "owners": owners.get(b, []),
-                }
-            )
-        swapped = {
-            rid: list(self.kv.host_block_table(rid)) for rid in self.kv.swapped_request_ids()
-        }
-        return {
-            "num_blocks": pool.num_blocks,
-            "block_size": self.config.block_size,
-            "blocks": blocks,
-            "requests": requests,
-            "swapped": swapped,
-        }
+        """Every device block's state, ref count, prefix hash and owners (``block_map.py``)."""
+        return block_map(self.kv, self.config.block_size)

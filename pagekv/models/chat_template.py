@@ -96,15 +96,62 @@ class ChatTemplate:
         self.source = source
         self._special_tokens = dict(special_tokens)
 
-    def render(self, messages: object, add_generation_prompt: bool = True) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template itself lays out tool definitions (it reads ``tools``)."""
+        return "tools" in self.source
+
+    def render(
+        self,
+        messages: object,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The prompt text for a validated conversation; template errors become
-        InvalidRequestError (templates raise them for e.g. roles that do not alternate)."""
+        InvalidRequestError (templates raise them for e.g. roles that do not alternate).
+
+        ``tools`` (OpenAI's tool definitions) go to a template that reads them; for one that
+        does not, they are described in a system message (``tools_system_text``)."""
         checked = validate_messages(messages)
+        extra: dict[str, Any] = {}
+        if tools and self.takes_tools:
+            extra["tools"] = tools
+        elif tools:
+            checked = with_tools_message(checked, tools)
         try:
             return self._template.render(
                 messages=checked,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from exc
+
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tools_system_text(tools: list[dict[str, Any]]) -> str:
+    """How a model whose template knows no tools is told of them: the definitions as JSON
+    lines, and the tagged form of a call (the one Hermes-style templates teach)."""
+    lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return (
+        "You can call these functions (one JSON definition per line):\n"
+        f"<tools>\n{lines}\n</tools>\n"
+        "To call one, answer with its name and arguments as JSON inside tags:\n"
+        f'{TOOL_CALL_OPEN}\n{{"name": "<function name>", "arguments": {{...}}}}\n'
+        f"{TOOL_CALL_CLOSE}"
+    )
+
+
+def with_tools_message(
+    messages: list[dict[str, str]], tools: list[dict[str, Any]]
+) -> list[dict[str, str]]:
+    """``messages`` with the tool description added to (or as) the leading system message."""
+    text = tools_system_text(tools)
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first['content']}\n\n{text}" if first["content"] else text
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]

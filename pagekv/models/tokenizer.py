@@ -10,16 +10,20 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pagekv.errors import InvalidRequestError, ModelLoadError
-from pagekv.models.chat_template import ChatTemplate
+from pagekv.models.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ChatTemplate
 from pagekv.models.gguf_tokenizer import backend_from_gguf
 
 
 class Tokenizer:
     """One model's tokenizer. Immutable after construction."""
+
+    # How the chat prompt tells the model to write a tool call (``chat_template``), for parsers.
+    tool_call_tags = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
     def __init__(
         self,
@@ -49,6 +53,10 @@ class Tokenizer:
         """Text of ids; control tokens such as <|im_end|> are dropped unless asked for."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The backend tokenizer serialized as tokenizer.json (for grammar libraries)."""
+        return str(self._backend.to_str())
+
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary entry of an id, as spelled in the vocabulary (e.g. "Ġhello")."""
         token = self._backend.id_to_token(token_id)
@@ -57,12 +65,15 @@ class Tokenizer:
         return token
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """The prompt text for a conversation (InvalidRequestError on bad messages)."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template", param="messages")
-        return self._template.render(messages, add_generation_prompt)
+        return self._template.render(messages, add_generation_prompt, tools)
 
 
 def tokenizer_from_gguf(metadata: Mapping[str, object], path: str) -> Tokenizer:

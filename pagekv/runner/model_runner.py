@@ -19,9 +19,10 @@ from __future__ import annotations
 import enum
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagekv.core.plan import Plan, ScheduledRequest
@@ -169,8 +170,13 @@ class ModelRunner:
             self.kv.copy_blocks(t.copies)
 
     @torch.inference_mode()
-    def execute(self, plan: Plan) -> dict[str, SampledToken]:
-        """Run one step; returns the sampled token of every request whose step reached its end."""
+    def execute(
+        self, plan: Plan, token_masks: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, SampledToken]:
+        """Run one step; returns the sampled token of every request whose step reached its end.
+
+        ``token_masks``: per constrained request, int32 [positions, ceil(V / 32)], a bit mask of
+        the tokens it may draw at each position it samples (``SamplingRow.allowed_tokens``)."""
         self.apply_transfers(plan)
         if not plan.scheduled:
             return {}
@@ -185,7 +191,11 @@ class ModelRunner:
         for i, entry in zip(sampling, entries, strict=True):
             num_drafts = len(entry.draft_token_ids)  # a drafted decode: every position it fed
             rows.extend(range(inputs.last_token[i] - num_drafts, inputs.last_token[i] + 1))
-            sampling_rows.extend(self._row(entry, j) for j in range(num_drafts + 1))
+            masks = None if token_masks is None else token_masks.get(entry.request.request_id)
+            sampling_rows.extend(
+                self._row(entry, j, None if masks is None else masks[j])
+                for j in range(num_drafts + 1)
+            )
         # [S, vocab] in the model's dtype: the sampler widens to float32 only if it must
         logits = self.model.compute_logits(hidden[torch.tensor(rows)], float32=False)
         out = self.sampler(logits, sampling_rows)
@@ -215,7 +225,9 @@ class ModelRunner:
 
         return attend
 
-    def _row(self, entry: ScheduledRequest, ahead: int = 0) -> SamplingRow:
+    def _row(
+        self, entry: ScheduledRequest, ahead: int = 0, allowed: np.ndarray | None = None
+    ) -> SamplingRow:
         """How to sample ``entry``'s next token, or (drafts) the one ``ahead`` positions on."""
         request = entry.request
         penalized = request.params.penalized  # the ids are copied only for penalties
@@ -229,6 +241,7 @@ class ModelRunner:
             output_token_ids=(
                 request.output_token_ids + list(entry.draft_token_ids[:ahead]) if penalized else ()
             ),
+            allowed_tokens=allowed,
         )
 
     @staticmethod

@@ -43,7 +43,8 @@ class SamplingRow:
     or None to draw from the global RNG. ``num_generated`` counts this sequence's output tokens so
     far; while it is below ``params.min_tokens``, EOS ids and ``stop_token_ids`` cannot be drawn.
     The penalties read ``prompt_token_ids`` and ``output_token_ids`` (the output so far); only
-    rows with ``params.penalized`` need them.
+    rows with ``params.penalized`` need them. A row with ``allowed_tokens`` draws only those
+    (its grammar decides when it may end, so min_tokens does not hold EOS back there).
     """
 
     params: SamplingParams
@@ -52,6 +53,8 @@ class SamplingRow:
     eos_token_ids: tuple[int, ...] = ()
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # Structured output: int32 [ceil(V / 32)], bit t set if token t may be drawn (None: any).
+    allowed_tokens: np.ndarray | None = None
 
     @property
     def greedy(self) -> bool:
@@ -59,7 +62,7 @@ class SamplingRow:
 
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """Token ids that must not be drawn this step (min_tokens not yet reached)."""
-        if self.num_generated >= self.params.min_tokens:
+        if self.num_generated >= self.params.min_tokens or self.allowed_tokens is not None:
             return ()
         eos = () if self.params.ignore_eos else self.eos_token_ids
         return eos + self.params.stop_token_ids
@@ -86,6 +89,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [B={len(rows)}, V], got {tuple(logits.shape)}")
+        logits = apply_token_masks(logits, rows)
         plain = not any(row.params.penalized for row in rows)
         if plain and all(row.greedy and row.params.logprobs is None for row in rows):
             # The maximum is the same in any dtype (bf16 -> float32 is exact): no widening
@@ -149,6 +153,28 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     values = values - frequency * count - presence * (count > 0)
     logits = logits.clone()
     logits[row, token] = values
+    return logits
+
+
+def apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf for every token a row's ``allowed_tokens`` leaves out; copies only if a row has
+    them. One unpacking of the asking rows' bit masks, one masked fill.
+
+    logits: [B, V] -> [B, V]
+    """
+    asking = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
+    if not asking:
+        return logits
+    words = np.stack([rows[i].allowed_tokens for i in asking])  # type: ignore[misc]
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [A, 32 * W]
+    vocab_size = logits.shape[1]
+    allowed = np.zeros((len(asking), vocab_size), dtype=bool)
+    width = min(vocab_size, bits.shape[1])
+    allowed[:, :width] = bits[:, :width]
+    index = torch.tensor(asking, device=logits.device)
+    logits = logits.clone()
+    refused = torch.from_numpy(~allowed).to(logits.device)
+    logits[index] = logits[index].masked_fill(refused, float("-inf"))
     return logits
 
 

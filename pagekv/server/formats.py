@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagekv.engine.outputs import CompletionOutput, RequestOutput
+from pagekv.server.tools import ToolPlan
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -156,8 +157,9 @@ class ChatFormat(CompletionFormat):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, streaming: bool) -> None:
+    def __init__(self, streaming: bool, tools: ToolPlan | None = None) -> None:
         self.streaming = streaming
+        self.tools = tools  # the request's tool plan, when it may call tools
 
     def opening_choices(self, ctx: Context, num_choices: int) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
@@ -169,6 +171,8 @@ class ChatFormat(CompletionFormat):
     def choice(
         self, ctx: Context, index: int, out: CompletionOutput, cursor: Cursor, hold_chars: int = 0
     ) -> dict[str, Any]:
+        if self.tools is not None:
+            return self._tool_choice(ctx, index, out, cursor, self.tools)
         text, start, end = cursor.advance(out, hold_chars)
         logprobs = None
         if ctx.logprobs is not None and out.logprobs is not None:
@@ -179,6 +183,36 @@ class ChatFormat(CompletionFormat):
         else:
             body["message"] = {"role": "assistant", "content": text}
         body["finish_reason"] = out.finish_reason
+        body["stop_reason"] = out.stop_reason
+        return body
+
+    def _tool_choice(
+        self, ctx: Context, index: int, out: CompletionOutput, cursor: Cursor, tools: ToolPlan
+    ) -> dict[str, Any]:
+        """A choice that may call tools: content only as far as it cannot be part of a call;
+        the calls, parsed, when the choice finishes (finish_reason ``tool_calls``)."""
+        content, calls = tools.split(out.text) if out.finished else (None, [])
+        visible = out.text if out.finished and not calls else tools.streamable(out.text, False)
+        start, text = cursor.num_tokens, visible[cursor.num_chars :]
+        cursor.num_chars = max(cursor.num_chars, len(visible))
+        cursor.num_tokens, cursor.done = len(out.token_ids), out.finished
+        logprobs = None
+        if ctx.logprobs is not None and out.logprobs is not None:
+            logprobs = {"content": self._content_logprobs(ctx, out, start, cursor.num_tokens)}
+        body: dict[str, Any] = {"index": index, "logprobs": logprobs}
+        if self.streaming:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [call.body(i) for i, call in enumerate(calls)]
+            body["delta"] = delta
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.body() for call in calls]
+            body["message"] = message
+        # a call cut off by max_tokens is still reported, with finish_reason "length"
+        ended = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
+        body["finish_reason"] = ended
         body["stop_reason"] = out.stop_reason
         return body
 

@@ -14,15 +14,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagekv.engine.llm_engine import LLMEngine
 from pagekv.engine.outputs import RequestOutput
-from pagekv.errors import PagekvError
-from pagekv.sampling_params import SamplingParams
+from pagekv.errors import InvalidRequestError, PagekvError
+from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 from pagekv.server.engine_loop import EngineRequest
 from pagekv.server.errors import AuthenticationError, BodyTooLargeError, error_body
 from pagekv.server.formats import ChatFormat, CompletionFormat, Context, Cursor, usage
@@ -39,6 +41,8 @@ from pagekv.server.protocol import (
 )
 from pagekv.server.state import ServerState
 from pagekv.server.streams import OutputStream
+from pagekv.server.structured import constraint_of, relabel
+from pagekv.server.tools import ToolPlan
 
 DISCONNECT_POLL_S = 0.5
 DRAIN_LIMIT_BYTES = 64 << 20  # read (and drop) this much of an oversized body, then stop
@@ -96,11 +100,12 @@ async def create_completion(request: Request) -> Response:
     req = validate(CompletionRequest, body)
     state.check_model(req.model)
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    params = sampling_params(req, max_tokens, req.logprobs, state.config.max_n)
+    constraint, field = constraint_of(req)
+    params = sampling_params(req, max_tokens, req.logprobs, state.config.max_n, constraint)
     prompts = completion_prompts(req, state.config.max_choices)
     ctx = _context(state, "cmpl", params, req.include_usage)
     requests = [EngineRequest(f"{ctx.response_id}-{i}", p, params) for i, p in enumerate(prompts)]
-    return await _respond(request, CompletionFormat(), ctx, requests, req.stream)
+    return await _respond(request, CompletionFormat(), ctx, requests, req.stream, field)
 
 
 @router.post("/chat/completions")
@@ -109,16 +114,38 @@ async def create_chat_completion(request: Request) -> Response:
     body = parse_json(await read_body(request, state.config.max_request_body_bytes))
     req = validate(ChatCompletionRequest, body)
     state.check_model(req.model)
-    text = state.tokenizer.apply_chat_template(chat_messages(req))
+    tags = state.tokenizer.tool_call_tags
+    tools = ToolPlan.of(req.tools, req.tool_choice, req.parallel_tool_calls, tags)
+    constraint, field = constraint_of(req)
+    if tools.constraint() is not None:
+        if constraint is not None:
+            raise InvalidRequestError(
+                f"{field}: not with tool_choice {tools.mode!r}, which constrains the output",
+                field,
+            )
+        constraint, field = tools.constraint(), "tools"
+    await _check_tool_schemas(state, tools)
+    text = state.tokenizer.apply_chat_template(chat_messages(req), tools=list(tools.tools))
     prompt: str | list[int] = text
     max_tokens = chat_max_tokens(req)
     if max_tokens is None:  # as OpenAI: up to the end of the context
         prompt = await asyncio.to_thread(state.tokenizer.encode, text)
         max_tokens = max(1, state.context_tokens - len(prompt))
-    params = sampling_params(req, max_tokens, chat_logprobs(req), state.config.max_n)
+    params = sampling_params(req, max_tokens, chat_logprobs(req), state.config.max_n, constraint)
     ctx = _context(state, "chatcmpl", params, req.include_usage)
     requests = [EngineRequest(f"{ctx.response_id}-0", prompt, params)]
-    return await _respond(request, ChatFormat(req.stream), ctx, requests, req.stream)
+    fmt = ChatFormat(req.stream, tools if tools.active else None)
+    return await _respond(request, fmt, ctx, requests, req.stream, field)
+
+
+async def _check_tool_schemas(state: ServerState, tools: ToolPlan) -> None:
+    """400 naming the tool whose parameters are no schema the grammar compiler takes."""
+    for i, tool in enumerate(tools.tools):
+        schema = StructuredOutputsParams(json=tools.parameters(tool["function"]["name"]))
+        try:
+            await state.loop.call(partial(LLMEngine.check_structured_outputs, constraint=schema))
+        except InvalidRequestError as exc:
+            raise relabel(exc, f"tools[{i}].function.parameters") from None
 
 
 def _context(
@@ -141,9 +168,13 @@ async def _respond(
     ctx: Context,
     requests: list[EngineRequest],
     stream: bool,
+    constraint_field: str | None = None,
 ) -> Response:
     state = state_of(request)
-    outputs = await state.loop.add(requests)
+    try:
+        outputs = await state.loop.add(requests)
+    except InvalidRequestError as exc:  # a constraint that does not compile: name the field
+        raise relabel(exc, constraint_field) from None
     hold_chars = max((len(s) for s in requests[0].params.stop), default=1) - 1
     if stream:
         events = _events(fmt, ctx, outputs, hold_chars)

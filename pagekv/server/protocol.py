@@ -7,7 +7,8 @@ validated by a pydantic model in strict mode (no "5" for 5, no true for 1, no Na
 and turned into ``SamplingParams``, whose own checks name the bad parameter. Every failure is
 an ``InvalidRequestError`` carrying ``param``: HTTP 400. Unknown fields are ignored, as
 OpenAI-compatible servers do; known but unsupported features (``echo``, ``suffix``,
-``logit_bias``, JSON mode, tools, ``best_of != n``) are rejected rather than silently ignored.
+``logit_bias``, ``best_of != n``) are rejected rather than silently ignored. Constraints on the
+output are read by ``structured.py``, tools by ``tools.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagekv.errors import InvalidRequestError
-from pagekv.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagekv.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 PromptInput = str | list[int]
 M = TypeVar("M", bound=BaseModel)
@@ -65,6 +66,12 @@ class _Sampling(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's constraints on the output (structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -85,9 +92,44 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_Sampling):
@@ -97,15 +139,22 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 _MODELS: tuple[type[BaseModel], ...] = (
     StreamOptions,
     CompletionRequest,
     TextPart,
+    FunctionCall,
+    AssistantToolCall,
     ChatMessage,
+    FunctionDefinition,
+    Tool,
+    FunctionName,
+    NamedToolChoice,
     ChatCompletionRequest,
 )
 _FIELDS = {name for m in _MODELS for name in m.model_fields}
@@ -225,13 +274,6 @@ def _reject_unsupported(req: _Sampling) -> None:
     """Refuse what would change the output if honoured, rather than ignore it."""
     if req.logit_bias:
         raise InvalidRequestError("logit_bias: not supported", "logit_bias")
-    if isinstance(req, ChatCompletionRequest):
-        if req.response_format is not None and req.response_format.get("type") != "text":
-            raise InvalidRequestError(
-                'response_format: only {"type": "text"} is supported', "response_format"
-            )
-        if req.tools and req.tool_choice != "none":
-            raise InvalidRequestError("tools: tool calling is not supported", "tools")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise InvalidRequestError("echo: not supported", "echo")
@@ -251,7 +293,11 @@ def _check_api_ranges(req: _Sampling) -> None:
 
 
 def sampling_params(
-    req: _Sampling, max_tokens: int, logprobs: int | None, max_n: int
+    req: _Sampling,
+    max_tokens: int,
+    logprobs: int | None,
+    max_n: int,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's ``SamplingParams`` for a validated request body."""
     _reject_unsupported(req)
@@ -276,6 +322,7 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_outputs=constraint,
     )
 
 
@@ -295,17 +342,36 @@ def completion_prompts(req: CompletionRequest, max_choices: int) -> list[PromptI
     return items
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (text parts joined; developer -> system)."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (text parts joined; developer -> system; an
+    assistant's tool calls with their arguments as objects, as templates expect)."""
     if not req.messages:
         raise InvalidRequestError("messages: must not be empty", "messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for m in req.messages:
         content = m.content if isinstance(m.content, str) else ""
         if isinstance(m.content, list):
             content = "".join(part.text for part in m.content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        message: dict[str, Any] = {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": content,
+        }
+        if m.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in m.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
     return out
+
+
+def _template_call(call: AssistantToolCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
