@@ -71,8 +71,10 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them (``tools``:
+        OpenAI tool definitions, laid out by the template or in a system message)."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         conversations: list[Sequence[Message]] = (
@@ -81,7 +83,7 @@ class LLM:
             else list(messages)  # type: ignore[arg-type]
         )
         tok = self.engine.tokenizer
-        texts = [tok.apply_chat_template([dict(m) for m in c]) for c in conversations]
+        texts = [tok.apply_chat_template([dict(m) for m in c], tools=tools) for c in conversations]
         return self.generate(texts, sampling_params, use_tqdm)
 
     def beam_search(

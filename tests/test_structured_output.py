@@ -78,6 +78,7 @@ SCHEMAS: list[dict[str, object]] = [
 REGEX = r"[A-Z][a-z]{2,6} [0-9]{2}"
 CHOICES = ("yes", "no", "maybe")
 LARK = 'start: "The answer is " ANSWER "."\nANSWER: /[0-9]{1,3}/'
+GBNF = 'root ::= ("yes" | "no") ", " [a-z] [a-z]? [a-z]?'  # llama.cpp's grammar format
 QUESTIONS = [
     "Describe a person as JSON.",
     "Give me some data.",
@@ -155,13 +156,15 @@ def test_every_output_matches_its_constraint(llm: LLM) -> None:
         params.append(sampled)
         checks.append(("json", schema))
     for question in QUESTIONS:
-        prompts += [chat(llm, question)] * 3
+        prompts += [chat(llm, question)] * 4
         params += [
             constrained(regex=REGEX),
             constrained(choice=list(CHOICES)),
             constrained(grammar=LARK),
+            constrained(grammar=GBNF),
         ]
-        checks += [("regex", REGEX), ("choice", CHOICES), ("regex", r"The answer is [0-9]+\.")]
+        checks += [("regex", REGEX), ("choice", CHOICES)]
+        checks += [("regex", r"The answer is [0-9]{1,3}\."), ("regex", r"(yes|no), [a-z]{1,3}")]
     prompts.append(chat(llm, "Describe a person as a JSON object with a name and an age."))
     params.append(constrained(json_object=True, max_tokens=200))
     checks.append(("object", None))

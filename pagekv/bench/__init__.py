@@ -13,6 +13,7 @@ The CLI wires it in with ``bench.register(subparsers)``; nothing here touches th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from pagekv.bench.report import format_table, write_json
 from pagekv.bench.workloads import Workload, load_workload
 from pagekv.engine.args import add_engine_arguments, engine_config
+from pagekv.sampling_params import StructuredOutputsParams
 
 __all__ = ["BENCH_KV_CACHE_MEMORY", "register", "roofline_report"]
 
@@ -42,6 +44,11 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--workload", default="random", help="random | prefix | FILE.json")
     parser.add_argument("--json-out", default=None, help="write the result as JSON here")
+    parser.add_argument(
+        "--json-schema",
+        default=None,
+        help="offline: every request under this JSON schema (inline JSON or a file)",
+    )
     add_engine_arguments(
         parser, title="offline engine", kv_cache_memory=BENCH_KV_CACHE_MEMORY, tiers=False
     )
@@ -78,11 +85,21 @@ def run_command(args: argparse.Namespace) -> None:
 
         engine = LLMEngine(engine_config(args))
         warm_up(engine)
-        result = run_offline(engine, workload)
+        result = run_offline(engine, workload, _schema_constraint(args.json_schema))
     print(format_table(result))
     if args.json_out:
         write_json(result, args.json_out)
         print(f"wrote {args.json_out}", file=sys.stderr)
+
+
+def _schema_constraint(spec: str | None) -> StructuredOutputsParams | None:
+    if spec is None:
+        return None
+    text = spec
+    if not spec.lstrip().startswith("{"):
+        with open(spec) as f:
+            text = f.read()
+    return StructuredOutputsParams(json=json.loads(text))
 
 
 def roofline_report(args: argparse.Namespace, workload: Workload) -> str:

@@ -19,12 +19,17 @@ from pagekv.bench.report import BenchResult, peak_rss_bytes
 from pagekv.bench.workloads import Workload
 from pagekv.engine.config import EngineConfig
 from pagekv.engine.llm_engine import LLMEngine
-from pagekv.sampling_params import SamplingParams
+from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 
 
-def greedy_params(output_len: int) -> SamplingParams:
-    """Exactly ``output_len`` tokens, greedy, no EOS stop: the benchmark's only sampling."""
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def greedy_params(
+    output_len: int, constraint: StructuredOutputsParams | None = None
+) -> SamplingParams:
+    """Up to ``output_len`` tokens, greedy, no EOS stop: the benchmark's only sampling
+    (``constraint``: under structured output, which may end a request earlier)."""
+    return SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_outputs=constraint
+    )
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -33,8 +38,12 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def run_offline(engine: LLMEngine, workload: Workload) -> BenchResult:
+def run_offline(
+    engine: LLMEngine, workload: Workload, constraint: StructuredOutputsParams | None = None
+) -> BenchResult:
     """Queue every request, step until all finish; per-request first/last token times.
+    ``constraint``: every request under this structured output; the tokens counted are the
+    ones generated.
 
     The pass starts with an empty prefix cache: a previous pass over the same workload must not
     turn this one's prompts into cache hits (vLLM's runs start cold too).
@@ -44,11 +53,12 @@ def run_offline(engine: LLMEngine, workload: Workload) -> BenchResult:
     engine.reset_prefix_cache()
     first: dict[str, float] = {}
     last: dict[str, float] = {}
+    lens: dict[str, int] = {}
     cached = 0
     start = time.perf_counter()
     for i, request in enumerate(workload.requests):
         engine.add_request(
-            f"bench-{i}", request.prompt_token_ids, greedy_params(request.output_len)
+            f"bench-{i}", request.prompt_token_ids, greedy_params(request.output_len, constraint)
         )
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -57,15 +67,15 @@ def run_offline(engine: LLMEngine, workload: Workload) -> BenchResult:
             first.setdefault(out.request_id, now)
             if out.finished:
                 last[out.request_id] = now
+                lens[out.request_id] = len(out.outputs[0].token_ids)
                 cached += out.num_cached_tokens
     elapsed = time.perf_counter() - start
-    lens = {f"bench-{i}": r.output_len for i, r in enumerate(workload.requests)}
     return BenchResult(
         mode="offline",
         workload=workload.name,
         num_requests=len(workload.requests),
         num_prompt_tokens=workload.num_prompt_tokens,
-        num_output_tokens=workload.num_output_tokens,
+        num_output_tokens=sum(lens.values()),
         elapsed_s=elapsed,
         ttft_s=[t - start for t in first.values()],
         tpot_s=[(last[r] - first[r]) / (lens[r] - 1) for r in last if lens[r] > 1],
