@@ -6,12 +6,12 @@ request), a bounded cache of compiled grammars, and one matcher per constrained 
 the count of output tokens it has consumed. The engine asks for the masks of a plan before
 the runner executes it, and advances the matchers with the tokens the step kept.
 
-The library is llguidance: it computes a mask lazily over the vocabulary's token trie with an
-Earley parser, so a schema compiles in well under a millisecond (nothing stalls while a new
-schema is compiled) and a mask costs tens of microseconds a row; it takes JSON schemas, regular
-expressions, Lark and GBNF grammars; and it needs no torch. xgrammar precompiles token masks
-per grammar (its strength on GPUs, a compile stall for each new schema here); outlines-core
-builds a whole automaton index per pattern before the first token.
+The library is llguidance: it computes each mask lazily, walking the vocabulary's token trie
+with an Earley parser, so compiling a new schema precomputes nothing and never stalls the
+batch; it takes JSON schemas, regular expressions, Lark and GBNF grammars; and it needs no
+torch. xgrammar precompiles token masks per grammar (its strength on GPUs, a compile stall for
+each new schema on a CPU); outlines-core builds a whole automaton index per pattern before the
+first token.
 
 A drafted decode needs a mask for every position it feeds: the matcher consumes the drafts one
 by one, a mask after each, and rolls back; past the first draft the grammar refuses, the masks
@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
 import numpy as np
 
 from pagekv.core.plan import ScheduledRequest
@@ -42,7 +43,7 @@ JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 @dataclass
 class _Sequence:
-    matcher: Any  # llguidance.LLMatcher
+    matcher: llguidance.LLMatcher
     consumed: int = 0  # output tokens the matcher has seen
 
 
@@ -53,7 +54,7 @@ class StructuredOutputs:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.mask_words = -(-vocab_size // 32)  # a mask row: one bit per token, 32 to a word
-        self._ll_tokenizer: Any = None
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._sequences: dict[str, _Sequence] = {}
 
@@ -76,8 +77,6 @@ class StructuredOutputs:
             self._grammars.move_to_end(key)
             return grammar
         grammar = self._build(constraint)
-        import llguidance
-
         error = llguidance.LLMatcher.validate_grammar(grammar, self._library_tokenizer())
         if error:
             raise InvalidRequestError(
@@ -90,8 +89,6 @@ class StructuredOutputs:
 
     @staticmethod
     def _build(constraint: StructuredOutputsParams) -> str:
-        import llguidance
-
         kind = constraint.kind
         field = f"{PARAM}.{kind}"
         try:
@@ -114,10 +111,8 @@ class StructuredOutputs:
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"{field}: {exc}", field) from None
 
-    def _library_tokenizer(self) -> Any:
+    def _library_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
-            import llguidance
-
             self._ll_tokenizer = llguidance.LLTokenizer(
                 self._tokenizer.backend_json(),
                 n_vocab=self.vocab_size,
@@ -129,8 +124,6 @@ class StructuredOutputs:
 
     def track(self, request_id: str, grammar: str) -> None:
         """Constrain sequence ``request_id`` by ``grammar`` (from ``compile``)."""
-        import llguidance
-
         self._sequences[request_id] = _Sequence(
             llguidance.LLMatcher(self._library_tokenizer(), grammar)
         )
@@ -176,5 +169,5 @@ class StructuredOutputs:
         return out
 
     @staticmethod
-    def _fill(matcher: Any, row: np.ndarray) -> None:
+    def _fill(matcher: llguidance.LLMatcher, row: np.ndarray) -> None:
         matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
