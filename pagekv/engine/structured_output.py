@@ -22,6 +22,7 @@ after it is kept.
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 
 import llguidance
 import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from pagekv.core.plan import ScheduledRequest
 from pagekv.errors import InvalidRequestError
@@ -57,6 +59,7 @@ class StructuredOutputs:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._sequences: dict[str, _Sequence] = {}
+        self._pool: llguidance.LLExecutor | None = None
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._sequences
@@ -149,15 +152,24 @@ class StructuredOutputs:
     def masks(self, scheduled: Iterable[ScheduledRequest]) -> dict[str, np.ndarray]:
         """Per constrained entry that samples this step: int32 [positions, mask_words], one row
         per position it feeds (a drafted decode feeds several), bit t of a row set if token t
-        may be drawn there."""
+        may be drawn there. The first rows of all entries are computed together, in parallel."""
         out: dict[str, np.ndarray] = {}
+        first: list[tuple[llguidance.LLMatcher, int]] = []
+        entries = []
         for entry in scheduled:
             seq = self._sequences.get(entry.request.request_id)
             if seq is None or not entry.samples:
                 continue
+            entries.append((entry, seq))
+            first.append((seq.matcher, len(first)))
+        if not entries:
+            return out
+        firsts = np.empty((len(first), self.mask_words), dtype=np.int32)
+        fill_next_token_bitmask_par(self._executor(), first, firsts)
+        for (entry, seq), first_row in zip(entries, firsts, strict=True):
             drafts = entry.draft_token_ids
             rows = np.full((len(drafts) + 1, self.mask_words), -1, dtype=np.int32)
-            self._fill(seq.matcher, rows[0])
+            rows[0] = first_row
             # consuming a token the grammar refuses would break the matcher for good
             taken = seq.matcher.validate_tokens(list(drafts)) if drafts else 0
             for i in range(taken):
@@ -167,6 +179,11 @@ class StructuredOutputs:
                 seq.matcher.rollback(taken)
             out[entry.request.request_id] = rows
         return out
+
+    def _executor(self) -> llguidance.LLExecutor:
+        if self._pool is None:  # masks are computed between forwards: every core is free
+            self._pool = llguidance.LLExecutor(num_threads=len(os.sched_getaffinity(0)))
+        return self._pool
 
     @staticmethod
     def _fill(matcher: llguidance.LLMatcher, row: np.ndarray) -> None:
