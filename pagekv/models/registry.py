@@ -64,6 +64,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("pagekv.models.llama", "QWEN2"),
     "mistral": ("pagekv.models.llama", "MISTRAL"),
     "qwen3": ("pagekv.models.qwen3", "QWEN3"),
+    "phi3": ("pagekv.models.phi3", "PHI3"),
 }
 
 
