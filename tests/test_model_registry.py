@@ -23,7 +23,7 @@ from pagekv.errors import ModelLoadError
 from pagekv.models import LlamaForCausalLM, ModelConfig, load_model, registry
 from pagekv.models.gguf_tokenizer import byte_alphabet
 from pagekv.models.llama import GGUF_NAMES, _slice
-from pagekv.models.registry import ARCHITECTURES, Architecture
+from pagekv.models.registry import ARCHITECTURES, Architecture, GGUFNames
 
 SHAPES = {
     "vocab_size": 259,  # the GGUF tokenizer below: 256 bytes, one merge, two control tokens
@@ -97,12 +97,12 @@ def _logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
 
 
 def test_every_registered_name_is_an_architecture_of_a_llama_class() -> None:
-    assert registry.architecture_names() == ("llama", "qwen2", "mistral")
+    assert registry.architecture_names() == ("llama", "qwen2", "mistral", "qwen3", "phi3")
     for name in registry.architecture_names():
         arch = registry.architecture(name, "test")
         assert isinstance(arch, Architecture)
         assert isinstance(arch.model_class, type) and issubclass(arch.model_class, LlamaForCausalLM)
-    assert registry.gguf_architecture_names() == ("llama", "qwen2")
+    assert registry.gguf_architecture_names() == ("llama", "qwen2", "qwen3", "phi3")
     assert registry.architecture("llama", "t").gguf_rope_permuted
     assert registry.architecture("qwen2", "t").hf_attention_bias
 
@@ -112,9 +112,12 @@ def test_unknown_architecture_is_refused_naming_the_supported_ones(name: object)
     with pytest.raises(ModelLoadError) as info:
         registry.architecture(name, "somewhere")
     assert str(info.value) == (
-        f"somewhere: unsupported architecture {name!r}; supported: ('llama', 'qwen2', 'mistral')"
+        f"somewhere: unsupported architecture {name!r}; "
+        "supported: ('llama', 'qwen2', 'mistral', 'qwen3', 'phi3')"
     )
-    with pytest.raises(ModelLoadError, match=r"known: \('llama', 'qwen2', 'mistral'\)"):
+    with pytest.raises(
+        ModelLoadError, match=r"known: \('llama', 'qwen2', 'mistral', 'qwen3', 'phi3'\)"
+    ):
         _config(model_type=str(name))
 
 
@@ -124,7 +127,8 @@ def test_a_gguf_file_of_an_unknown_architecture_is_refused(tmp_path: Path) -> No
         with pytest.raises(ModelLoadError) as info:
             load_model(str(path))
         assert str(info.value) == (
-            f"{path}: unsupported GGUF architecture {name!r}; supported: ('llama', 'qwen2')"
+            f"{path}: unsupported GGUF architecture {name!r}; "
+            "supported: ('llama', 'qwen2', 'qwen3', 'phi3')"
         )
 
 
@@ -176,7 +180,11 @@ def _write_hf_directory(directory: Path, model: LlamaForCausalLM, model_type: st
     return directory
 
 
-def _write_gguf(path: Path, model: LlamaForCausalLM, arch: str) -> Path:
+def _write_gguf(
+    path: Path, model: LlamaForCausalLM, arch: str, names: GGUFNames = GGUF_NAMES
+) -> Path:
+    """The model's tensors under ``names`` (those it has), float32, with a byte-level BPE
+    tokenizer of 259 tokens."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
@@ -184,6 +192,7 @@ def _write_gguf(path: Path, model: LlamaForCausalLM, arch: str) -> Path:
     writer.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
     writer.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
     writer.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    writer.add_uint32(f"{arch}.attention.key_length", cfg.head_dim)
     writer.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
@@ -193,9 +202,11 @@ def _write_gguf(path: Path, model: LlamaForCausalLM, arch: str) -> Path:
     writer.add_array("tokenizer.ggml.merges", ["a b"])
     writer.add_array("tokenizer.ggml.token_type", [1] * 257 + [3, 3])
     hf_names = _hf_named(model)
-    for gguf_name in _gguf_tensor_names(cfg):
-        hf_name = GGUF_NAMES.hf_name(gguf_name)
+    for gguf_name in _gguf_tensor_names(cfg, names):
+        hf_name = names.hf_name(gguf_name)
         assert hf_name is not None
+        if hf_name not in hf_names:
+            continue  # e.g. no q/k/v bias in this model
         writer.add_tensor(gguf_name, hf_names[hf_name].numpy().astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -204,8 +215,8 @@ def _write_gguf(path: Path, model: LlamaForCausalLM, arch: str) -> Path:
     return path
 
 
-def _gguf_tensor_names(cfg: ModelConfig) -> list[str]:
-    names = list(GGUF_NAMES.model)
+def _gguf_tensor_names(cfg: ModelConfig, names: GGUFNames) -> list[str]:
+    found = list(names.model)
     for i in range(cfg.num_hidden_layers):
-        names += [f"blk.{i}.{suffix}" for suffix in GGUF_NAMES.layer]
-    return names
+        found += [f"blk.{i}.{suffix}" for suffix in names.layer]
+    return found

@@ -5,12 +5,14 @@ Sizes accept ints (bytes) or strings like "1GiB", "512MiB", "2GB".
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
 from pagekv.core.scheduler import PreemptionCostModel, PreemptionMode, SchedulingPolicy
 from pagekv.core.tier_policy import WritePolicy
 from pagekv.errors import InvalidRequestError
+from pagekv.models.config import ModelConfig
 from pagekv.tiering.store import KVStore
 
 _UNITS = {
@@ -143,6 +145,32 @@ class EngineConfig:
             raise InvalidRequestError(
                 "max_num_batched_tokens must be >= block_size", "max_num_batched_tokens"
             )
+
+
+logger = logging.getLogger("pagekv")
+
+
+def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    """The configured context, capped at the model's own: a longer one is used at the model's
+    length, with a warning, rather than refused. The model's is ``ModelConfig.context_length``:
+    a sliding window shorter than its positions caps it, with a warning of its own
+    (sliding-window attention is not implemented; past the window full attention would give
+    other numbers, so the engine never goes there)."""
+    window, context = model.sliding_window, model.context_length
+    if window is not None and window < model.max_position_embeddings:
+        logger.warning(
+            "sliding-window attention (%d tokens) is not implemented: context capped at %d tokens",
+            window,
+            context,
+        )
+    if config.max_model_len is not None and config.max_model_len > context:
+        logger.warning(
+            "max_model_len %d is beyond the model's context of %d tokens; using %d",
+            config.max_model_len,
+            context,
+            context,
+        )
+    return min(config.max_model_len or context, context)
 
 
 DEFAULT_STORE_HOST_CACHE = 256 * 2**20  # host pool given to a storage tier configured without one

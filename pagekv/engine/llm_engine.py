@@ -32,7 +32,13 @@ from pagekv.core.trace import TraceRecorder, block_hashes_hex
 from pagekv.engine.beam_driver import BeamDriver
 from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.engine.block_map import block_map
-from pagekv.engine.config import EngineConfig, host_pool_bytes, parse_bytes, uses_lower_tiers
+from pagekv.engine.config import (
+    EngineConfig,
+    host_pool_bytes,
+    max_model_len,
+    parse_bytes,
+    uses_lower_tiers,
+)
 from pagekv.engine.outputs import RequestOutput
 from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.engine.sanitizer import KVSanitizer
@@ -68,19 +74,6 @@ def _load(config: EngineConfig, dtype: torch.dtype) -> LoadedModel:
             )
     keep = config.quantization == "gguf" or (config.quantization == "auto" and fast)
     return load_model(config.model, dtype, keep_quantized=keep)
-
-
-def _max_model_len(config: EngineConfig, context: int) -> int:
-    """The configured context, capped at the model's own: a longer one is used at the model's
-    length, with a warning, rather than refused."""
-    if config.max_model_len is not None and config.max_model_len > context:
-        logger.warning(
-            "max_model_len %d is beyond the model's context of %d tokens; using %d",
-            config.max_model_len,
-            context,
-            context,
-        )
-    return min(config.max_model_len or context, context)
 
 
 def _num_kv_blocks(config: EngineConfig, block_bytes: int) -> int:
@@ -124,7 +117,7 @@ class LLMEngine:
         self.loaded = loaded if loaded is not None else _load(config, dtype)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
-        self.max_model_len = _max_model_len(config, mcfg.max_position_embeddings)
+        self.max_model_len = max_model_len(config, mcfg)
         block_bytes = KVCache.bytes_per_block(
             mcfg.num_hidden_layers,
             config.block_size,

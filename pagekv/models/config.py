@@ -38,6 +38,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2-style bias on q/k/v
+    # The smallest sliding window of any layer's attention (None: all attend to everything);
+    # not implemented, so the engine's context stops at it (within it the two are the same).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         known = architecture_names()
@@ -56,6 +59,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ModelLoadError(f"config {name} must be a positive integer, got {value!r}")
+        window = self.sliding_window
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window <= 0
+        ):
+            raise ModelLoadError(
+                f"config sliding_window must be a positive integer, got {window!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -75,6 +85,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence run exactly: max_position_embeddings, or the sliding window
+        where that is shorter (full attention equals sliding-window attention up to it)."""
+        window = self.sliding_window
+        limit = self.max_position_embeddings
+        return limit if window is None else min(limit, window)
 
     def rope_scaling_dict(self) -> dict[str, object] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)

@@ -26,6 +26,7 @@ _MATMUL_WEIGHTS = frozenset(
     (
         "token_embd",
         "output",
+        "attn_qkv",  # Phi-3's fused q/k/v
         "attn_q",
         "attn_k",
         "attn_v",
@@ -76,10 +77,15 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         raise ModelLoadError(f"{gguf.path}: missing tensor 'token_embd.weight'")
     if "rope_freqs.weight" in gguf.tensors:
         raise ModelLoadError(f"{gguf.path}: per-dimension rope_freqs (Llama 3.1) is not supported")
+    if "rope_factors_long.weight" in gguf.tensors:
+        raise ModelLoadError(f"{gguf.path}: longrope rope_factors (Phi-3 128k) are not supported")
     hidden = _int(gguf, f"{arch}.embedding_length")
     num_heads = _int(gguf, f"{arch}.attention.head_count")
     num_kv_heads = _int(gguf, f"{arch}.attention.head_count_kv", num_heads)
     head_dim = _int(gguf, f"{arch}.attention.key_length", hidden // num_heads)
+    if _int(gguf, f"{arch}.rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError(f"{gguf.path}: partial RoPE (fewer rotated dims than head_dim)")
+    window_key = f"{arch}.attention.sliding_window"
     return ModelConfig(
         model_type=arch,
         vocab_size=embed.shape[0],
@@ -95,6 +101,7 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         max_position_embeddings=_int(gguf, f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        sliding_window=_int(gguf, window_key) if window_key in gguf.metadata else None,
     )
 
 

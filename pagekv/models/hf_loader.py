@@ -58,6 +58,28 @@ def _rope(raw: Mapping[str, object], source: str) -> tuple[float, Mapping[str, o
     return theta_value, scaling if isinstance(scaling, dict) else None
 
 
+def _check_full_rotary(raw: Mapping[str, object], params: object, source: str) -> None:
+    """Refuse partial RoPE (a rotation of only the first dims of each head; Phi-4-mini,
+    Phi-3.5): the model rotates whole heads."""
+    factor = raw.get("partial_rotary_factor")
+    if isinstance(params, dict):
+        factor = params.get("partial_rotary_factor", factor)
+    if factor is not None and factor != 1:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {factor!r} is not supported")
+
+
+def _sliding_window(raw: Mapping[str, object], source: str) -> int | None:
+    """The window config.json gives, None where it is off: Qwen2/Qwen3 say whether it is on in
+    use_sliding_window (their sliding_window is set either way), Mistral and Phi-3 set
+    sliding_window null when off; layer_types, where given, names the layers that slide."""
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        return None
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list) and "sliding_attention" not in layer_types:
+        return None
+    return None if raw.get("sliding_window") is None else _int(raw, "sliding_window", source)
+
+
 def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
     """ModelConfig from a parsed config.json; ModelLoadError names `source` on any problem."""
     model_type = raw.get("model_type")
@@ -68,6 +90,7 @@ def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
     heads = _int(raw, "num_attention_heads", source)
     hidden = _int(raw, "hidden_size", source)
     theta, scaling = _rope(raw, source)
+    _check_full_rotary(raw, scaling, source)
     try:
         return ModelConfig(
             model_type=model_type,
@@ -85,6 +108,7 @@ def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Some architectures always have q/k/v bias (Qwen2); others say so in attention_bias.
             attention_bias=arch.hf_attention_bias or bool(raw.get("attention_bias", False)),
+            sliding_window=_sliding_window(raw, source),
         )
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc

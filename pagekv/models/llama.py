@@ -34,7 +34,7 @@ layer hands the ops its two halves around attention (``LayerOps.attention_inputs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,7 @@ _LAYER_PARAMS: dict[str, tuple[str, str | None]] = {
     "self_attn.k_proj.bias": ("qkv_bias", "k"),
     "self_attn.v_proj.bias": ("qkv_bias", "v"),
     "self_attn.o_proj.weight": ("o_proj", None),
+    "self_attn.o_proj.bias": ("o_bias", None),
     "mlp.gate_proj.weight": ("gate_up_proj", "gate"),
     "mlp.up_proj.weight": ("gate_up_proj", "up"),
     "mlp.down_proj.weight": ("down_proj", None),
@@ -90,6 +91,10 @@ def _weight(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class LlamaDecoderLayer(nn.Module):
     """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
+    # HF name inside a layer -> (our parameter, fused slice): a subclass with other
+    # checkpoint names or extra parameters gives its own table.
+    hf_params: Mapping[str, tuple[str, str | None]] = _LAYER_PARAMS
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
@@ -99,6 +104,7 @@ class LlamaDecoderLayer(nn.Module):
         self.qkv_proj = _weight(qkv, hidden, dtype=dtype)  # rows: q, then k, then v
         self.qkv_bias = _weight(qkv, dtype=dtype) if config.attention_bias else None
         self.o_proj = _weight(hidden, config.q_size, dtype=dtype)
+        self.o_bias: nn.Parameter | None = None  # none in these three; a subclass may add one
         self.post_attention_layernorm = _weight(hidden, dtype=dtype)
         self.gate_up_proj = _weight(2 * config.intermediate_size, hidden, dtype=dtype)
         self.down_proj = _weight(hidden, config.intermediate_size, dtype=dtype)
@@ -122,26 +128,35 @@ class LlamaDecoderLayer(nn.Module):
         ops, eps, cfg = self.ops, self.config.rms_norm_eps, self.config
         # the first layer: the embeddings are the residual stream, and nothing is added to it
         added, residual = (None, x) if residual is None else (x, residual)
-        q, k, v, residual = ops.attention_inputs(
-            added,
+        q, k, v, residual = self.attention_inputs(added, residual, cos, sin)
+        out = attention(self.layer_idx, q, k, v)  # [T, num_heads, head_dim]
+        return ops.mlp_block(
+            out.reshape(q.shape[0], cfg.q_size),
+            residual,
+            self._projection("o_proj", self.o_bias),
+            self.post_attention_layernorm,
+            eps,
+            self._projection("gate_up_proj"),
+            self._projection("down_proj"),
+        )
+
+    def attention_inputs(
+        self, x: torch.Tensor | None, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v, residual stream) as ``LayerOps.attention_inputs`` makes them: a subclass
+        that changes q/k between projection and RoPE overrides this (and so leaves the fused
+        one-call path, which would skip its change)."""
+        cfg = self.config
+        return self.ops.attention_inputs(
+            x,
             residual,
             self.input_layernorm,
-            eps,
+            cfg.rms_norm_eps,
             self._projection("qkv_proj", self.qkv_bias),
             cos,
             sin,
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
-        )
-        out = attention(self.layer_idx, q, k, v)  # [T, num_heads, head_dim]
-        return ops.mlp_block(
-            out.reshape(q.shape[0], cfg.q_size),
-            residual,
-            self._projection("o_proj"),
-            self.post_attention_layernorm,
-            eps,
-            self._projection("gate_up_proj"),
-            self._projection("down_proj"),
         )
 
     def _projection(self, name: str, bias: torch.Tensor | None = None) -> Linear:
@@ -162,13 +177,14 @@ class LlamaForCausalLM(nn.Module):
 
     rope_cos: torch.Tensor  # buffers: [max_position_embeddings, head_dim // 2] float32
     rope_sin: torch.Tensor
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # a family's own layer
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+            self.layer_class(config, i, dtype) for i in range(config.num_hidden_layers)
         )
         self.norm = _weight(config.hidden_size, dtype=dtype)
         self.lm_head = (
@@ -336,9 +352,10 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             targets["lm_head.weight"] = (self, "lm_head", None)
         for i, layer in enumerate(self.layers):
-            for suffix, (param_name, part) in _LAYER_PARAMS.items():
+            assert isinstance(layer, LlamaDecoderLayer)
+            for suffix, (param_name, part) in layer.hf_params.items():
                 if getattr(layer, param_name) is None:
-                    continue  # no q/k/v bias in this architecture
+                    continue  # no q/k/v (or o) bias in this architecture
                 targets[f"model.layers.{i}.{suffix}"] = (layer, param_name, part)
         return targets
 

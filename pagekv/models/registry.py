@@ -63,6 +63,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("pagekv.models.llama", "LLAMA"),
     "qwen2": ("pagekv.models.llama", "QWEN2"),
     "mistral": ("pagekv.models.llama", "MISTRAL"),
+    "qwen3": ("pagekv.models.qwen3", "QWEN3"),
+    "phi3": ("pagekv.models.phi3", "PHI3"),
 }
 
 
