@@ -8,6 +8,7 @@ checkpoints are not supported.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Iterator, Mapping
@@ -69,7 +70,7 @@ def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
     hidden = _int(raw, "hidden_size", source)
     theta, scaling = _rope(raw, source)
     try:
-        return ModelConfig(
+        config = ModelConfig(
             model_type=model_type,
             vocab_size=_int(raw, "vocab_size", source),
             hidden_size=hidden,
@@ -86,6 +87,9 @@ def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
             # Some architectures always have q/k/v bias (Qwen2); others say so in attention_bias.
             attention_bias=arch.hf_attention_bias or bool(raw.get("attention_bias", False)),
         )
+        if arch.hf_config_fields is not None:  # what the architecture reads its own way
+            config = dataclasses.replace(config, **arch.hf_config_fields(raw, source))
+        return config
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc
 

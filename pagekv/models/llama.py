@@ -58,7 +58,8 @@ from pagekv.models.rope import rope_cos_sin
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
 # head_dim]) -> out [T, num_heads, head_dim]; q, k, v contiguous, in the model dtype. q and k are
-# already rotated; the function applies the 1/sqrt(head_dim) scale and causality itself.
+# already rotated; the function applies the scale (ModelConfig.attention_scale, 1/sqrt(head_dim)
+# unless the architecture says otherwise) and causality itself.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # HF name inside a layer -> (our parameter, which stacked slice): slices index _fused_slices().
@@ -162,13 +163,14 @@ class LlamaForCausalLM(nn.Module):
 
     rope_cos: torch.Tensor  # buffers: [max_position_embeddings, head_dim // 2] float32
     rope_sin: torch.Tensor
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # a subclass's own layers
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = _weight(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)
+            self.layer_class(config, i, dtype) for i in range(config.num_hidden_layers)
         )
         self.norm = _weight(config.hidden_size, dtype=dtype)
         self.lm_head = (
