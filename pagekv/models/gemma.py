@@ -18,7 +18,7 @@ What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
 
 The sliding window itself is not applied here: the runner's attention is causal over the whole
 context, which equals the window's attention while a sequence is no longer than
-``ModelConfig.sliding_window``; the engine keeps contexts within it.
+``ModelConfig.sliding_window``, at which the engine must cap the context.
 
 These elementwise ops run in torch whatever ``LayerOps`` the model is given: the fused C ops
 implement Llama's norms and SiLU, not these. The matmuls still go through the ops (their packed
