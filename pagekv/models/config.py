@@ -17,6 +17,9 @@ from pagekv.models.registry import architecture_names
 # rope_scaling "type"/"rope_type" values we implement; "default" means no scaling at all.
 ROPE_SCALING_TYPES = ("llama3", "linear")
 
+# Kinds of attention layer (HF's layer_types values): all previous tokens, or a sliding window.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 RopeScaling = tuple[tuple[str, object], ...]
 
 
@@ -41,6 +44,11 @@ class ModelConfig:
     # The smallest sliding window of any layer's attention (None: all attend to everything);
     # not implemented, so the engine's context stops at it (within it the two are the same).
     sliding_window: int | None = None
+    # Optional, for architectures beyond Llama's shape; the defaults are Llama's.
+    layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES (None: all full)
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), unscaled
+    query_pre_attn_scalar: float | None = None  # attention scale: its ** -0.5 (else head_dim's)
+    final_logit_softcapping: float | None = None  # logits become tanh(logits / c) * c
 
     def __post_init__(self) -> None:
         known = architecture_names()
@@ -77,6 +85,25 @@ class ModelConfig:
             raise ModelLoadError("rms_norm_eps and rope_theta must be positive")
         if self.rope_scaling is not None:
             freeze_rope_scaling(dict(self.rope_scaling))  # validates
+        self._check_optional()
+
+    def _check_optional(self) -> None:
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ModelLoadError(f"config {name} must be positive or None, got {value!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ModelLoadError(
+                    f"layer_types names {len(self.layer_types)} layers, "
+                    f"not num_hidden_layers {self.num_hidden_layers}"
+                )
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ModelLoadError(f"unknown layer_types {unknown}; known: {LAYER_TYPES}")
 
     @property
     def q_size(self) -> int:
@@ -93,6 +120,12 @@ class ModelConfig:
         window = self.sliding_window
         limit = self.max_position_embeddings
         return limit if window is None else min(limit, window)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        scale: float = float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return scale
 
     def rope_scaling_dict(self) -> dict[str, object] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)

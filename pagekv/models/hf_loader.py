@@ -8,6 +8,7 @@ checkpoints are not supported.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Iterator, Mapping
@@ -92,7 +93,7 @@ def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
     theta, scaling = _rope(raw, source)
     _check_full_rotary(raw, scaling, source)
     try:
-        return ModelConfig(
+        config = ModelConfig(
             model_type=model_type,
             vocab_size=_int(raw, "vocab_size", source),
             hidden_size=hidden,
@@ -110,6 +111,9 @@ def hf_config(raw: Mapping[str, object], source: str) -> ModelConfig:
             attention_bias=arch.hf_attention_bias or bool(raw.get("attention_bias", False)),
             sliding_window=_sliding_window(raw, source),
         )
+        if arch.hf_config_fields is not None:  # what the architecture reads its own way
+            config = dataclasses.replace(config, **arch.hf_config_fields(raw, source))
+        return config
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc
 

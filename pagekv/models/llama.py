@@ -58,7 +58,8 @@ from pagekv.models.rope import rope_cos_sin
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
 # head_dim]) -> out [T, num_heads, head_dim]; q, k, v contiguous, in the model dtype. q and k are
-# already rotated; the function applies the 1/sqrt(head_dim) scale and causality itself.
+# already rotated; the function applies the scale (ModelConfig.attention_scale, 1/sqrt(head_dim)
+# unless the architecture says otherwise) and causality itself.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 # HF name inside a layer -> (our parameter, which stacked slice): slices index _fused_slices().

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pagekv.errors import ModelLoadError
 
@@ -49,13 +50,16 @@ class Architecture:
     parameters). ``gguf``: how GGUF files of it name their tensors (None: no GGUF files).
     ``gguf_rope_permuted``: llama.cpp's converter reordered each head's attn_q/attn_k rows for
     interleaved-pair RoPE, to be undone at load. ``hf_attention_bias``: q/k/v have a bias
-    whatever config.json's ``attention_bias`` says.
+    whatever config.json's ``attention_bias`` says. ``hf_config_fields(config.json, source)``:
+    the ``ModelConfig`` fields the architecture reads from config.json its own way, replacing
+    the common reading's (None: the common reading only).
     """
 
     model_class: Callable[..., object]
     gguf: GGUFNames | None = None
     gguf_rope_permuted: bool = False
     hf_attention_bias: bool = False
+    hf_config_fields: Callable[[Mapping[str, object], str], Mapping[str, Any]] | None = None
 
 
 # Architecture name -> (module, attribute) of its Architecture, in the order messages list them.
@@ -65,6 +69,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("pagekv.models.llama", "MISTRAL"),
     "qwen3": ("pagekv.models.qwen3", "QWEN3"),
     "phi3": ("pagekv.models.phi3", "PHI3"),
+    "gemma3_text": ("pagekv.models.gemma", "GEMMA3"),
 }
 
 

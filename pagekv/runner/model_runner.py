@@ -104,7 +104,7 @@ class ModelRunner:
             if num_host_blocks > 0
             else None
         )
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         self.attention = attention
         self.kernel = cpu_kernel.load() if attention is AttentionBackend.FAST else None
         self.prefill_kernel = prefill_kernel.load() if attention is AttentionBackend.FAST else None

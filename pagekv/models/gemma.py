@@ -1,0 +1,233 @@
+"""The Gemma 3 text decoder (``gemma3_text``, registered in registry.py as ``GEMMA3``): the
+Llama decoder's interface and fused weights, Gemma's own math.
+
+What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
+
+- embeddings scaled by sqrt(hidden_size), the factor rounded to the model's dtype first;
+- RMSNorm scaled by (1 + weight), normalized and scaled in float32, then cast back
+  (``gemma_rms_norm``), and four of them per layer: input and post-attention around
+  attention, pre- and post-feedforward around the MLP, each post-norm applied to the block's
+  output before it joins the residual stream;
+- q and k RMS-normed per head (``q_norm``, ``k_norm``) before RoPE;
+- a GeGLU MLP: gelu(gate, tanh approximation) * up;
+- attention scaled by ``query_pre_attn_scalar ** -0.5`` (``ModelConfig.attention_scale``, which
+  the runner hands its attention kernels);
+- logits soft-capped, tanh(logits / c) * c, when ``final_logit_softcapping`` is set;
+- local ("sliding_attention") and global layers, each with its own RoPE base: local layers
+  ``rope_local_theta`` unscaled, global ones ``rope_theta`` with the config's scaling.
+
+The sliding window itself is not applied here: the runner's attention is causal over the whole
+context, which equals the window's attention while a sequence is no longer than
+``ModelConfig.sliding_window``, at which the engine must cap the context.
+
+These elementwise ops run in torch whatever ``LayerOps`` the model is given: the fused C ops
+implement Llama's norms and SiLU, not these. The matmuls still go through the ops (their packed
+weights). Gemma 2 is not here: its attention-score soft-capping would have to reach every
+attention kernel. Imports nothing from runner/ or core/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagekv.errors import ModelLoadError
+from pagekv.models.config import LAYER_TYPES, ModelConfig, freeze_rope_scaling
+from pagekv.models.llama import (
+    AttentionFn,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    _weight,
+)
+from pagekv.models.registry import Architecture
+from pagekv.models.rope import apply_rope, rope_cos_sin
+
+SLIDING = "sliding_attention"
+# HF name inside a layer -> our parameter, besides the Llama layer's (_LAYER_PARAMS).
+_GEMMA_LAYER_PARAMS = {
+    "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm",
+    "post_feedforward_layernorm.weight": "post_feedforward_layernorm",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+}
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Gemma3RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in
+    float32 (Llama scales after casting back), the result in x's dtype."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """One Gemma 3 block: h = x + post_norm(attn(norm(x))), then h + post_ff(mlp(pre_ff(h)))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__(config, layer_idx, dtype)
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.pre_feedforward_layernorm = _weight(hidden, dtype=dtype)
+        self.post_feedforward_layernorm = _weight(hidden, dtype=dtype)
+        self.q_norm = _weight(head_dim, dtype=dtype)
+        self.k_norm = _weight(head_dim, dtype=dtype)
+        types = config.layer_types
+        self.sliding = types is not None and types[layer_idx] == SLIDING
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionFn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``LlamaDecoderLayer.forward`` (the output and the residual stream, whose sum is
+        the hidden state); cos/sin are this layer's kind's (local or global)."""
+        ops, eps, cfg = self.ops, self.config.rms_norm_eps, self.config
+        hidden = x if residual is None else residual + x
+        h = gemma_rms_norm(hidden, self.input_layernorm, eps)
+        q, k, v = self._qkv(h, cos, sin)
+        out = attention(self.layer_idx, q, k, v).reshape(h.shape[0], cfg.q_size)
+        attn = ops.linear(out, *self._projection("o_proj"))
+        hidden = hidden + gemma_rms_norm(attn, self.post_attention_layernorm, eps)
+        h = gemma_rms_norm(hidden, self.pre_feedforward_layernorm, eps)
+        gate, up = ops.linear(h, *self._projection("gate_up_proj")).chunk(2, dim=-1)
+        mlp = ops.linear(F.gelu(gate, approximate="tanh") * up, *self._projection("down_proj"))
+        return gemma_rms_norm(mlp, self.post_feedforward_layernorm, eps), hidden
+
+    def _qkv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projection, q/k per-head norms, then RoPE: q [T, H, D], k and v [T, KV, D],
+        each contiguous and new (what the attention function may assume)."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        qkv = self.ops.linear(h, *self._projection("qkv_proj", self.qkv_bias))
+        q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        shape = (h.shape[0], -1, cfg.head_dim)
+        q = apply_rope(gemma_rms_norm(q.reshape(shape), self.q_norm, eps), cos, sin)
+        k = apply_rope(gemma_rms_norm(k.reshape(shape), self.k_norm, eps), cos, sin)
+        return q, k, v.reshape(shape).contiguous()
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """The Gemma 3 text model: Llama's interface (weights, packing, ops, logits), Gemma's
+    forward. Owns a second float32 RoPE table, the local layers'."""
+
+    layer_class = Gemma3DecoderLayer
+    rope_local_cos: torch.Tensor  # buffers like rope_cos/rope_sin, at rope_local_theta
+    rope_local_sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__(config, dtype)
+        theta = config.rope_local_theta or config.rope_theta
+        cos, sin = rope_cos_sin(dataclasses.replace(config, rope_theta=theta, rope_scaling=None))
+        self.register_buffer("rope_local_cos", cos, persistent=False)
+        self.register_buffer("rope_local_sin", sin, persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+    ) -> torch.Tensor:
+        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden]."""
+        full = self.rope_cos[positions], self.rope_sin[positions]
+        local = self.rope_local_cos[positions], self.rope_local_sin[positions]
+        x = self._embed(input_ids)
+        # HF keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype
+        x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            assert isinstance(layer, Gemma3DecoderLayer)
+            cos, sin = local if layer.sliding else full
+            x, residual = layer(x, residual, cos, sin, attention)
+        hidden = x if residual is None else residual + x
+        return gemma_rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """As Llama's, soft-capped (in the model's dtype, as HF does) when the config says."""
+        logits = super().compute_logits(hidden, float32=False)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float() if float32 else logits
+
+    def _targets(self) -> dict[str, tuple[torch.nn.Module, str, str | None]]:
+        targets = super()._targets()
+        for i, layer in enumerate(self.layers):
+            for suffix, param_name in _GEMMA_LAYER_PARAMS.items():
+                targets[f"model.layers.{i}.{suffix}"] = (layer, param_name, None)
+        return targets
+
+
+def _number(raw: Mapping[str, object], key: str, source: str, default: float) -> float:
+    value = raw.get(key)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ModelLoadError(f"{source}: config.json {key!r} should be a number, got {value!r}")
+    return float(value)
+
+
+def _layer_types(raw: Mapping[str, object], source: str, num_layers: int) -> tuple[str, ...]:
+    """HF's layer_types, or (older config.json files) every ``sliding_window_pattern``-th
+    layer global, the others local, as Gemma3TextConfig derives them."""
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(_number(raw, "sliding_window_pattern", source, 6))
+        return tuple(SLIDING if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    if not isinstance(types, list) or not all(t in LAYER_TYPES for t in types):
+        raise ModelLoadError(f"{source}: config.json layer_types should list {LAYER_TYPES}")
+    return tuple(types)
+
+
+def _rope_fields(raw: Mapping[str, object], source: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling (global layers) and rope_local_theta, from transformers 5's
+    per-layer-type rope_parameters or the older rope_theta / rope_scaling /
+    rope_local_base_freq keys."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or SLIDING in params):
+        full, local = params.get("full_attention") or {}, params.get(SLIDING) or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{source}: scaled RoPE on sliding layers is not supported")
+        return {
+            "rope_theta": _number(full, "rope_theta", source, 1_000_000.0),
+            "rope_scaling": freeze_rope_scaling(full),
+            "rope_local_theta": _number(local, "rope_theta", source, 10_000.0),
+        }
+    scaling = raw.get("rope_scaling")
+    return {
+        "rope_theta": _number(raw, "rope_theta", source, 1_000_000.0),
+        "rope_scaling": freeze_rope_scaling(scaling if isinstance(scaling, dict) else None),
+        "rope_local_theta": _number(raw, "rope_local_base_freq", source, 10_000.0),
+    }
+
+
+def gemma3_config_fields(raw: Mapping[str, object], source: str) -> dict[str, Any]:
+    """The ModelConfig fields Gemma 3's config.json says its own way (Gemma3TextConfig's
+    defaults where it is silent); ModelLoadError for what pagekv does not run."""
+    activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{source}: Gemma MLP activation {activation!r} is not supported")
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: bidirectional attention is not supported")
+    types = _layer_types(raw, source, int(_number(raw, "num_hidden_layers", source, 0)))
+    window = int(_number(raw, "sliding_window", source, 4096)) if SLIDING in types else None
+    cap = raw.get("final_logit_softcapping")
+    if cap is not None:
+        cap = _number(raw, "final_logit_softcapping", source, 0.0)
+    return {
+        **_rope_fields(raw, source),
+        "head_dim": int(_number(raw, "head_dim", source, 256)),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True)),
+        "layer_types": types,
+        "sliding_window": window,
+        "query_pre_attn_scalar": _number(raw, "query_pre_attn_scalar", source, 256),
+        "final_logit_softcapping": cap,
+    }
+
+
+# No GGUF: llama.cpp's converter stores Gemma's norms with the 1 already added (unverified here).
+GEMMA3 = Architecture(Gemma3ForCausalLM, hf_config_fields=gemma3_config_fields)
