@@ -174,9 +174,8 @@ def mooncake_master_binary() -> str:
     return str(bundled) if bundled.exists() else _binary("mooncake_master")
 
 
-@pytest.fixture(scope="session")
-def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("mooncake")
+def start_mooncake_master(workdir: Path) -> ServerProcess:
+    """A mooncake_master on free loopback ports, started."""
     port, metrics = free_port(), free_port()
     argv = [
         mooncake_master_binary(),
@@ -186,6 +185,12 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
     ]  # fmt: skip
     server = ServerProcess("mooncake_master", argv, port, workdir / "log")
     server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_mooncake_master(tmp_path_factory.mktemp("mooncake"))
     yield server
     close_idle_clients()  # while the master is up: a client's close unmounts its segment
     server.stop()

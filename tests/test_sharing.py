@@ -182,8 +182,8 @@ def test_sanitizer_catches_a_runtime_write_into_a_shared_block(
     llm = make_llm(loaded, check_invariants=False, block_size=4)  # full prompt blocks to share
     engine = llm.engine
 
-    def scribble(self: ModelRunner, plan: Any) -> Any:
-        result = original(self, plan)
+    def scribble(self: ModelRunner, plan: Any, *args: Any) -> Any:
+        result = original(self, plan, *args)
         owners = engine.kv.block_owners()
         shared = [b for b, who in owners.items() if len(who) > 1]
         if shared and plan.step >= 4:

@@ -7,6 +7,8 @@ the same store object must report StoreUnavailableError in time and work again a
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,13 +20,14 @@ from store_fixtures import (
     ServerProcess,
     free_port,
     server_for,
+    start_mooncake_master,
     store_spec,
 )
 
 from pagekv.tiering.faults import CorruptingStore, FailingStore, SlowStore
 from pagekv.tiering.file_store import FileStore
 from pagekv.tiering.memory_store import MemoryStore
-from pagekv.tiering.mooncake_store import MooncakeStore
+from pagekv.tiering.mooncake_store import MooncakeStore, close_idle_clients
 from pagekv.tiering.registry import open_store
 from pagekv.tiering.store import KVStore, KVStoreError, StoreConfigError, StoreUnavailableError
 
@@ -376,3 +379,31 @@ def test_fault_wrappers(key: Key) -> None:
     corrupt.put(key("k"), b"abc")
     assert corrupt.get(key("k")) == b"ab\x9c"
     assert corrupt.batch_get([key("k"), key("none")]) == [b"ab\x9c", None]
+
+
+def test_mooncake_puts_survive_a_dead_clients_segment(tmp_path: Path, key: Key) -> None:
+    """A client killed with its segment mounted stays listed at the master for a while, and
+    a put whose replica lands there fails (TRANSFER_FAIL): the store retries it onto a live
+    segment, so every put succeeds."""
+    master = start_mooncake_master(tmp_path)  # its own: the dead segment must not outlive it
+    spec = store_spec("mooncake", master, tmp_path)
+    code = (
+        "import sys, time; from pagekv.tiering.registry import open_store; "
+        f"store = open_store({spec!r}); print('mounted', flush=True); time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    store = None
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "mounted"
+        child.kill()
+        child.wait()
+        store = open_store(spec)
+        items = [(key(f"after-death-{i}"), value(1000, seed=i)) for i in range(24)]
+        assert [store.put(k, v) for k, v in items] == [True] * len(items)
+        assert store.batch_get([k for k, _ in items]) == [v for _, v in items]
+    finally:
+        child.kill()
+        if store is not None:
+            store.close()
+        close_idle_clients()  # the kept client's segment is on this master: unmount it now
+        master.stop()

@@ -40,6 +40,9 @@ What the library does, as observed with 0.3.13.post1 (codes from mooncake-store'
   about 0.2 s (its ping thread), so no new ``setup`` is needed and the same object works again.
   Puts in that window return -200 (NO_AVAILABLE_HANDLE): retried for up to a second, then
   StoreUnavailableError.
+- A client that dies without closing leaves its segment listed at the master for a while: a
+  put whose replica the master places there fails with -800 (TRANSFER_FAIL, the segment's
+  endpoint refuses); it is retried like -200, and lands on a live segment.
 - ``close`` holds the GIL for 1-2 s; any call after it, or ``unregister_buffer`` before a
   successful ``setup``, crashes the process. So ``MooncakeStore.close`` refuses further calls
   and, once no call is in flight, keeps the set-up client for the next MooncakeStore with the
@@ -71,6 +74,10 @@ OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
 OBJECT_HAS_REPLICATION_TASK = -708
 NO_AVAILABLE_HANDLE = -200
+TRANSFER_FAIL = -800
+# Put failures that a moment later may not recur: no segment mounted yet (a restarted master),
+# or the replica placed on the segment of a client that died and that the master still lists.
+_PUT_RETRIED = (NO_AVAILABLE_HANDLE, TRANSFER_FAIL)
 _CODE_NAMES = {
     -1: "INTERNAL_ERROR",
     -101: "SEGMENT_NOT_FOUND",
@@ -394,11 +401,11 @@ class MooncakeStore:
         return self._retry_full(lambda: list(self._lib.batch_put_from(keys, ptrs, lens)))
 
     def _retry_full(self, op: Callable[[], list[int]]) -> list[bool]:
-        """Run a put; retry NO_AVAILABLE_HANDLE (no segment mounted yet) for up to a second."""
+        """Run a put; retry the transient failures (``_PUT_RETRIED``) for up to a second."""
         deadline = time.monotonic() + min(1.0, self.timeout_s / 2)
         while True:
             codes = op()
-            if NO_AVAILABLE_HANDLE not in codes or time.monotonic() > deadline:
+            if not set(codes) & set(_PUT_RETRIED) or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         for code in codes:
