@@ -28,7 +28,14 @@ from pagekv.kernels.quant import PackedQuant
 from pagekv.models import layer_ops
 from pagekv.models.layer_ops import Linear
 from pagekv.models.loader import LoadedModel, load_model
-from pagekv.models.quantized import FORMATS, QuantizedWeight, Segment, decode, reconstruct
+from pagekv.models.quantized import (
+    FORMATS,
+    QuantizedWeight,
+    Segment,
+    decode,
+    drop_file_pages,
+    reconstruct,
+)
 
 WIDTH = 512  # a multiple of every block size (the K types': 256)
 
@@ -138,6 +145,18 @@ def test_loader_keeps_the_files_blocks(loaded_gguf: LoadedModel, loaded: LoadedM
         p.numel() * 4 for p in loaded.model.parameters()
     )
     assert loaded_gguf.fingerprint != loaded.fingerprint  # their KV may differ in ulps
+
+
+def test_dropped_file_pages_read_back_the_same(loaded_gguf: LoadedModel) -> None:
+    """The runner drops the GGUF file's pages once the weights are packed; the blocks, still
+    mapped, read back from the file the same."""
+    weights = [w for _, w in loaded_gguf.model.quantized_weights()]
+    ids = np.array([0, 7, 49151])
+    embeddings = dict(loaded_gguf.model.quantized_weights())["embed_tokens"]
+    before = (embeddings.rows(ids), weights[3].dequantize())
+    assert drop_file_pages(weights) == Path(loaded_gguf.path).stat().st_size
+    assert np.array_equal(embeddings.rows(ids), before[0])
+    assert np.array_equal(weights[3].dequantize(), before[1])
 
 
 def test_quantized_model_gives_the_dense_models_logits(

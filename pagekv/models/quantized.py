@@ -18,6 +18,7 @@ Numpy only; no torch.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -262,3 +263,24 @@ def reconstruct(decoded: Decoded) -> np.ndarray:
     scale, offset = np.repeat(scale, fmt.group, 1), np.repeat(offset, fmt.group, 1)
     exact = scale.astype(np.float64) * decoded.q + offset.astype(np.float64)
     return np.asarray(exact, dtype=np.float32)
+
+
+def drop_file_pages(weights: Sequence[QuantizedWeight]) -> int:
+    """Drop from this process's memory the pages of the files the weights' blocks map (a
+    GGUF file), once packed copies serve the matmuls: the pages read while packing stay
+    resident otherwise. They are read back from the file (the page cache) if the blocks are
+    used again (embedding rows, an unpacked model). Returns the bytes of the mappings."""
+    maps: dict[int, mmap.mmap] = {}
+    for weight in weights:
+        for segment in weight.segments:
+            base = segment.blocks
+            while isinstance(base, np.ndarray) and base.base is not None:
+                base = base.base
+            if isinstance(base, mmap.mmap):
+                maps[id(base)] = base
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None:
+        return 0
+    for mapping in maps.values():
+        mapping.madvise(advice)
+    return sum(len(m) for m in maps.values())

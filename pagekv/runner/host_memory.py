@@ -62,6 +62,19 @@ def keep_freed_memory() -> bool:
     return mmap_set == trim_set == 1
 
 
+def return_freed_memory() -> bool:
+    """Give the heap's free memory back to the system now (glibc's ``malloc_trim``): once,
+    after loading, whose temporaries ``keep_freed_memory`` would otherwise keep resident."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    return bool(trim(0))
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on the CPU, on 2 MiB pages when the system grants
     them (an anonymous mapping advised ``MADV_HUGEPAGE``, 2 MiB aligned); the pages are touched
