@@ -154,7 +154,8 @@ def test_dropped_file_pages_read_back_the_same(loaded_gguf: LoadedModel) -> None
     ids = np.array([0, 7, 49151])
     embeddings = dict(loaded_gguf.model.quantized_weights())["embed_tokens"]
     before = (embeddings.rows(ids), weights[3].dequantize())
-    assert drop_file_pages(weights) == Path(loaded_gguf.path).stat().st_size
+    size = Path(loaded_gguf.path).stat().st_size
+    assert size // 2 < drop_file_pages(weights) < size  # their whole pages: most of the file
     assert np.array_equal(embeddings.rows(ids), before[0])
     assert np.array_equal(weights[3].dequantize(), before[1])
 

@@ -52,7 +52,7 @@ from pagekv.models.layer_ops import (
     dense,
     torch_empty,
 )
-from pagekv.models.quantized import QuantizedWeight
+from pagekv.models.quantized import QuantizedWeight, drop_file_pages
 from pagekv.models.registry import Architecture, GGUFNames
 from pagekv.models.rope import rope_cos_sin
 
@@ -265,10 +265,12 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.packed_head is not None:
             return
-        for layer in self.layers:
+        for layer in self.layers:  # a layer's file pages go as soon as its copies exist
             assert isinstance(layer, LlamaDecoderLayer)
             layer.pack_weights(allocate)
+            drop_file_pages(_quantized(_data(getattr(layer, n)) for n in _PACKED_PARAMS))
         self.packed_head = self.ops.pack(_data(self._head()), allocate)
+        drop_file_pages(_quantized([self._head()]))
 
     def packed_weight_named(self, name: str) -> Packed:
         """The packed copy of a weight named as ``quantized_weights`` names it."""
@@ -359,6 +361,10 @@ class LlamaForCausalLM(nn.Module):
                     continue  # no q/k/v (or o) bias in this architecture
                 targets[f"model.layers.{i}.{suffix}"] = (layer, param_name, part)
         return targets
+
+
+def _quantized(weights: Iterable[object]) -> list[QuantizedWeight]:
+    return [w for w in weights if isinstance(w, QuantizedWeight)]
 
 
 def _data(weight: Weight) -> Weight:

@@ -266,21 +266,25 @@ def reconstruct(decoded: Decoded) -> np.ndarray:
 
 
 def drop_file_pages(weights: Sequence[QuantizedWeight]) -> int:
-    """Drop from this process's memory the pages of the files the weights' blocks map (a
-    GGUF file), once packed copies serve the matmuls: the pages read while packing stay
-    resident otherwise. They are read back from the file (the page cache) if the blocks are
-    used again (embedding rows, an unpacked model). Returns the bytes of the mappings."""
-    maps: dict[int, mmap.mmap] = {}
-    for weight in weights:
-        for segment in weight.segments:
-            base = segment.blocks
-            while isinstance(base, np.ndarray) and base.base is not None:
-                base = base.base
-            if isinstance(base, mmap.mmap):
-                maps[id(base)] = base
+    """Drop from this process's memory the file pages (a GGUF file's mapping) that hold only
+    these weights' blocks, once packed copies serve the matmuls: the pages read while packing
+    stay resident otherwise. They are read back from the file (the page cache) if the blocks
+    are used again (embedding rows, an unpacked model). Returns the bytes dropped."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
     if advice is None:
         return 0
-    for mapping in maps.values():
-        mapping.madvise(advice)
-    return sum(len(m) for m in maps.values())
+    dropped = 0
+    for weight in weights:
+        for segment in weight.segments:
+            blocks, root = segment.blocks, segment.blocks
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            if not isinstance(root.base, mmap.mmap):
+                continue  # blocks of the process's own memory (a copy, a test's array)
+            offset = blocks.ctypes.data - root.ctypes.data
+            start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside only
+            end = (offset + blocks.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                root.base.madvise(advice, start, end - start)
+                dropped += end - start
+    return dropped

@@ -32,7 +32,6 @@ from pagekv.kernels import prefill as prefill_kernel
 from pagekv.models.layer_ops import TORCH_OPS
 from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
-from pagekv.models.quantized import drop_file_pages
 from pagekv.runner import host_memory
 from pagekv.runner.attention import paged_attention_reference, write_kv
 from pagekv.runner.batch import StepInputs, prepare_step, reference_metadata
@@ -141,9 +140,7 @@ class ModelRunner:
             count = len(params) + len(quantized)
             arena = host_memory.HugePageArena(room + count * host_memory.PAGE_BYTES)
             self.model.pack_weights(arena.empty)
-            # the file's pages and the packing's temporaries were only needed to pack
-            drop_file_pages(quantized)
-            host_memory.return_freed_memory()
+            host_memory.return_freed_memory()  # the packing's temporaries
 
     # ---- per-request sampler state --------------------------------------------------------------
 
