@@ -120,35 +120,75 @@ def _make_case(
     return Case(meta, q, k_cache, v_cache, seq_k, seq_v, seq_q, num_shared_blocks)
 
 
-def _contiguous_reference(case: Case) -> torch.Tensor:
-    """Per-sequence SDPA over contiguous K/V with an explicit offset causal mask, float32."""
+def _contiguous_reference(
+    case: Case, window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
+    """Per-sequence attention over contiguous K/V with an explicit offset causal mask (and
+    sliding window, soft-capped scores), float32."""
     outs = []
     group = NUM_HEADS // NUM_KV_HEADS
     for q, k, v in zip(case.seq_q, case.seq_k, case.seq_v, strict=True):
         q_len, seq_len = q.shape[0], k.shape[0]
-        offset = seq_len - q_len
-        mask = torch.arange(seq_len)[None, :] <= offset + torch.arange(q_len)[:, None]
+        query_pos = seq_len - q_len + torch.arange(q_len)[:, None]
+        mask = torch.arange(seq_len)[None, :] <= query_pos
+        if window is not None:
+            mask &= torch.arange(seq_len)[None, :] > query_pos - window
         k_h = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
         v_h = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1), k_h, v_h, attn_mask=mask, scale=SCALE
-        )  # [H, q_len, D]
-        outs.append(out.transpose(0, 1))
+        scores = q.float().transpose(0, 1) @ k_h.transpose(1, 2) * SCALE  # [H, q_len, S]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        outs.append((probs @ v_h).transpose(0, 1))  # [q_len, H, D]
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_matches_contiguous_sdpa_float32(block_size: int) -> None:
-    num_shared_blocks = 0
-    for seed in range(40):
-        case = _make_case(seed * 7 + block_size, block_size, torch.float32)
-        num_shared_blocks += case.num_shared_blocks
-        out = paged_attention_reference(case.q, case.k_cache, case.v_cache, case.meta, SCALE)
-        expected = _contiguous_reference(case)
-        assert out.dtype == torch.float32 and out.shape == case.q.shape
+def _free_blocks_outside_window(case: Case, window: int) -> int:
+    """Free what a sliding-window layer may: point every table entry that no query of the step
+    sees at block 0, and poison (NaN) the blocks no sequence needs any more; returns how many
+    entries were freed."""
+    meta, freed, needed = case.meta, [], set()
+    q_lens = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).tolist()
+    for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens.tolist(), q_lens, strict=True)):
+        first_needed = max(0, seq_len - q_len - window + 1) // meta.block_size
+        freed += [(b, logical) for logical in range(first_needed)]
+        needed.update(meta.block_tables[b, first_needed : -(-seq_len // meta.block_size)].tolist())
+    for b, logical in freed:
+        block = int(meta.block_tables[b, logical])
+        if block not in needed:
+            case.k_cache[block] = float("nan")
+            case.v_cache[block] = float("nan")
+        meta.block_tables[b, logical] = 0
+    return len(freed)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_sliding_window_never_reads_the_blocks_it_may_free(block_size: int, window: int) -> None:
+    freed = 0
+    for seed in range(30):
+        case = _make_case(seed * 13 + window, block_size, torch.float32)
+        expected = _contiguous_reference(case, window=window)
+        freed += _free_blocks_outside_window(case, window)
+        out = paged_attention_reference(
+            case.q, case.k_cache, case.v_cache, case.meta, SCALE, window=window
+        )
         assert not out.isnan().any()
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert num_shared_blocks > 0  # the cases did exercise shared blocks
+    assert freed > 0  # some cases did free blocks
+
+
+@pytest.mark.parametrize("softcap", [0.5, 50.0])
+def test_soft_capped_scores(softcap: float) -> None:
+    for seed in range(20):
+        case = _make_case(seed + 500, 16, torch.float32)
+        out = paged_attention_reference(
+            case.q, case.k_cache, case.v_cache, case.meta, SCALE, softcap=softcap
+        )
+        torch.testing.assert_close(out, _contiguous_reference(case, softcap=softcap))
+    # a small cap changes the result (the cap is applied, not ignored)
+    plain = paged_attention_reference(case.q, case.k_cache, case.v_cache, case.meta, SCALE)
+    assert softcap > 1 or not torch.allclose(out, plain, atol=1e-3)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

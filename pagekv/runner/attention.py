@@ -144,8 +144,11 @@ def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.
     return seq_of_token, index_in_seq, query_lens
 
 
-def _attention_mask(meta: AttentionMetadata, query_lens: torch.Tensor) -> torch.Tensor:
-    """Causal + length mask, True where query j of sequence b may attend to key position k.
+def _attention_mask(
+    meta: AttentionMetadata, query_lens: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Causal + length mask, True where query j of sequence b may attend to key position k:
+    k <= p for the query's position p, and p - window < k with a sliding window.
 
     returns bool [B, Q, S]
     """
@@ -157,7 +160,10 @@ def _attention_mask(meta: AttentionMetadata, query_lens: torch.Tensor) -> torch.
     # real position gives them a non-empty row, so their softmax never produces NaN.
     last_pos = (meta.seq_lens - 1)[:, None]  # [B, 1]
     query_pos = torch.minimum(query_pos, last_pos)  # [B, Q]
-    return key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Q, S]
+    if window is not None:
+        mask &= key_pos[None, None, :] > query_pos[:, :, None] - window
+    return mask
 
 
 def paged_attention_reference(
@@ -166,12 +172,18 @@ def paged_attention_reference(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over each sequence's cached history.
 
     q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
     returns [T, num_heads, head_dim] in q's dtype. The caller has already run ``write_kv`` for
     this step's tokens. Covers prefill, decode and prefix-cached prefill (q_len < seq_len).
+    ``window``: a query at position p sees only the keys p - window < k <= p (sliding-window
+    layers); the blocks before that may already be freed, and are never read. ``softcap``:
+    scaled scores become tanh(s / softcap) * softcap before the softmax (Gemma 2).
     Computes in float32 whatever the input dtype: this is the reference.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -187,6 +199,9 @@ def paged_attention_reference(
     seq_of_token, index_in_seq, query_lens = _token_coordinates(meta, num_tokens)
     key_pos = torch.arange(max_s, device=q.device)  # [S]
     key_valid = key_pos[None, :] < meta.seq_lens[:, None]  # [B, S]
+    if window is not None:  # keys no query of this step sees (their blocks may be freed)
+        first_query = meta.seq_lens - query_lens  # [B]
+        key_valid &= key_pos[None, :] > (first_query - window)[:, None]
     keys = _gather_history(k_cache, meta, key_valid)  # [B, KVH, S, D]
     values = _gather_history(v_cache, meta, key_valid)  # [B, KVH, S, D]
 
@@ -201,8 +216,10 @@ def paged_attention_reference(
     )  # [B, KVH, G*Q, D]
 
     scores = torch.matmul(q_grouped, keys.transpose(-1, -2)) * scale  # [B, KVH, G*Q, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(num_seqs, num_kv_heads, group, max_q, max_s)
-    mask = _attention_mask(meta, query_lens)  # [B, Q, S]
+    mask = _attention_mask(meta, query_lens, window)  # [B, Q, S]
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, group * max_q, max_s)
     out = torch.matmul(probs, values)  # [B, KVH, G*Q, D]
