@@ -1,5 +1,5 @@
 """Model families beyond Llama: Qwen3 (per-head q/k norms, head_dim of its own) and Phi-3 (fused
-qkv and gate_up checkpoint tensors), and the sliding window the engine does not run past.
+qkv and gate_up checkpoint tensors); sliding windows are test_sliding_window's.
 
 Tiny random models built from each family's transformers config, saved as HF directories (and
 GGUF files) at test time; pagekv's greedy tokens through the paged KV cache equal transformers'
@@ -24,7 +24,7 @@ from tokenizers import models as tokenizer_models
 
 from pagekv import SamplingParams
 from pagekv.core.invariants import check_no_leak
-from pagekv.errors import ModelLoadError, PromptTooLongError
+from pagekv.errors import ModelLoadError
 from pagekv.models import LoadedModel, load_model
 from pagekv.models.hf_loader import hf_config
 from pagekv.models.registry import architecture
@@ -210,53 +210,3 @@ def test_phi3_variants_not_implemented_are_refused(
     (directory / "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(ModelLoadError, match=problem):
         load_model(str(directory))
-
-
-@pytest.mark.parametrize(
-    ("raw", "window"),
-    [
-        ({"model_type": "mistral", "sliding_window": None}, None),
-        ({"model_type": "mistral", "sliding_window": 4096}, 4096),
-        ({"model_type": "phi3", "sliding_window": 2047}, 2047),
-        ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}, None),
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, 4096),
-        ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64}, 64),
-        (
-            {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64}
-            | {"layer_types": ["full_attention", "full_attention"]},  # no layer slides
-            None,
-        ),
-    ],
-)
-def test_the_config_carries_the_sliding_window_only_where_it_is_on(
-    raw: dict[str, Any], window: int | None
-) -> None:
-    shapes = {k: v for k, v in TINY.items() if not k.endswith("token_id")}
-    assert hf_config({**shapes, **raw}, "test").sliding_window == window
-
-
-def test_a_sliding_window_caps_the_context_and_stays_exact(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Sliding-window attention is not implemented: the engine's context stops at the window
-    (one warning saying so), where full attention is the same; a longer request is refused."""
-    window = 32
-    reference = _reference_model("MistralConfig", sliding_window=window)
-    loaded = load_model(str(_save(reference, tmp_path)))
-    assert loaded.config.sliding_window == window
-    with caplog.at_level("WARNING", logger="pagekv"):
-        llm = make_llm(loaded, block_size=16, num_kv_blocks=16)
-    warned = [r.getMessage() for r in caplog.records if "sliding-window" in r.getMessage()]
-    assert warned == [
-        f"sliding-window attention ({window} tokens) is not implemented: "
-        f"context capped at {window} tokens"
-    ]
-    assert llm.engine.max_model_len == window
-    ids = torch.randint(3, TINY["vocab_size"], (window - NEW_TOKENS,)).tolist()
-    ref = _greedy_reference(reference, ids, NEW_TOKENS)  # transformers applies its window
-    out = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0].outputs[0]
-    assert out.logprobs is not None
-    ours_lp = [out.logprobs[j][t] for j, t in enumerate(out.token_ids)]
-    assert_matches_reference(out.token_ids, ref, ours_lp)
-    with pytest.raises(PromptTooLongError, match=f"exceeds the model's context of {window}"):
-        llm.generate([{"prompt_token_ids": [*ids, 5]}], GREEDY, use_tqdm=False)

@@ -217,10 +217,9 @@ def test_older_config_spelling_reads_the_same(gemma_dir: Path, gemma: LoadedMode
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
-        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
         ({"hidden_activation": "relu"}, "activation 'relu' is not supported"),
         ({"use_bidirectional_attention": True}, "bidirectional attention"),
-        ({"model_type": "gemma2"}, "unsupported architecture 'gemma2'"),
+        ({"model_type": "gemma4"}, "unsupported architecture 'gemma4'"),
         ({"layer_types": LAYER_TYPES[:3]}, "layer_types names 3 layers, not num_hidden_layers 4"),
         ({"sliding_window": 0}, "sliding_window must be a positive integer"),
     ],

@@ -36,7 +36,7 @@ SHAPES = {
     "max_position_embeddings": 64,
 }
 # every registered architecture, in the registry's order (the order messages list them)
-SUPPORTED = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma3_text")
+SUPPORTED = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text")
 
 
 class ToyForCausalLM(LlamaForCausalLM):

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 from pagekv.core.request import Request
 from pagekv.errors import InvalidRequestError, UnknownRequestError
 
+# The table entry of a logical block given back under a sliding window: its positions are
+# before every later query's window, so nothing reads them again.
+NO_BLOCK = -1
+
 
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
@@ -21,11 +25,19 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class Table:
-    """A request's block table: logical block i -> physical block ``blocks[i]``."""
+    """A request's block table: logical block i -> physical block ``blocks[i]``.
+
+    Under a sliding window the first ``num_dropped`` entries are ``NO_BLOCK`` (given back);
+    the rest, ``live``, are held blocks. Positions keep their logical blocks either way."""
 
     request: Request
     blocks: list[int]
     num_committed: int = 0  # blocks[:num_committed] are known to the prefix cache
+    num_dropped: int = 0
+
+    @property
+    def live(self) -> list[int]:
+        return self.blocks[self.num_dropped :] if self.num_dropped else self.blocks
 
 
 class BlockTables:
@@ -59,9 +71,14 @@ class BlockTables:
         """Device block -> the requests whose tables point at it."""
         owners: dict[int, list[str]] = {}
         for rid, table in self.device.items():
-            for block_id in table.blocks:
+            for block_id in table.live:
                 owners.setdefault(block_id, []).append(rid)
         return owners
+
+    def num_held(self, request_id: str) -> int:
+        """The blocks a request holds, device or (swapped out) host: its live entries."""
+        table = self.device.get(request_id) or self.lookup_host(request_id)
+        return len(table.blocks) - table.num_dropped
 
     def table_fills(self) -> Iterator[tuple[list[int], int]]:
         """Each device table's blocks and its request's computed tokens."""
@@ -85,13 +102,20 @@ class BlockTables:
 
     # ---- changes (the manager's) ----------------------------------------------------------------
 
-    def add(self, request: Request, blocks: Sequence[int], num_committed: int = 0) -> None:
-        """Give ``request`` a device table over ``blocks`` (a list of its own)."""
-        self.device[request.request_id] = Table(request, list(blocks), num_committed)
+    def add(
+        self,
+        request: Request,
+        blocks: Sequence[int],
+        num_committed: int = 0,
+        num_dropped: int = 0,
+    ) -> None:
+        """Give ``request`` a device table over ``blocks`` (a list of its own), the first
+        ``num_dropped`` of them ``NO_BLOCK``."""
+        self.device[request.request_id] = Table(request, list(blocks), num_committed, num_dropped)
 
-    def add_host(self, request: Request, blocks: Sequence[int]) -> None:
+    def add_host(self, request: Request, blocks: Sequence[int], num_dropped: int = 0) -> None:
         """Give a swapped-out ``request`` a host table over ``blocks``."""
-        self.host[request.request_id] = Table(request, list(blocks))
+        self.host[request.request_id] = Table(request, list(blocks), 0, num_dropped)
 
     def pop(self, request_id: str) -> Table | None:
         return self.device.pop(request_id, None)

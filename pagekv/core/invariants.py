@@ -10,6 +10,8 @@ Checked:
 - every block's ref count == the table entries pointing at it + its transfer pins
 - every hash-index entry points at a block carrying that hash, and every hashed block is indexed
 - every device table covers its request's computed tokens (and, for a plan, scheduled tokens)
+- a table's given-back entries (``NO_BLOCK``) lead it, only under a sliding window, and only
+  before the window of the request's next query; a plan reads and writes none of them
 - no token is written into a block with ref count > 1 (copy-on-write happened first)
 - twins (device/host copies known identical) are mutual and both alive
 - only a caching host pool holds hashes; a host block being filled is pinned and carries its
@@ -23,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from pagekv.core.block_pool import BlockPool
+from pagekv.core.block_table import NO_BLOCK, Table
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan
 from pagekv.errors import InvariantError
@@ -107,18 +110,19 @@ def check_manager(manager: KVCacheManager) -> None:
     """Pools, ref counts against tables, table coverage, and twins."""
     pool = manager.pool
     check_pool(pool)
-    device = [(rid, t.blocks) for rid, t in manager.tables.device.items()]
-    owners = _owners(device)
+    owners = _owners((rid, t.live) for rid, t in manager.tables.device.items())
     _check_refs(pool, owners, manager.pending.pins, "device")
     for rid, table in manager.tables.device.items():
         if len(table.blocks) * manager.block_size < table.request.num_computed_tokens:
             _fail(
                 f"table of {rid!r} does not cover its computed tokens", pool, table.blocks, owners
             )
+    for table in (*manager.tables.device.values(), *manager.tables.host.values()):
+        _check_dropped(manager, table)
     host = manager.host_pool
     if host is not None:
         check_pool(host)
-        host_owners = _owners((rid, t.blocks) for rid, t in manager.tables.host.items())
+        host_owners = _owners((rid, t.live) for rid, t in manager.tables.host.items())
         _check_refs(host, host_owners, manager.pending.host_pins, "host")
         _check_host_cache(manager, host)
     _check_twins(manager)
@@ -139,6 +143,20 @@ def _check_host_cache(manager: KVCacheManager, host: BlockPool) -> None:
     for h, block_hash in loads.items():
         if host._hash[h] != block_hash:
             _fail(f"host block {h} loads a hash it does not carry", host, [h])
+
+
+def _check_dropped(manager: KVCacheManager, table: Table) -> None:
+    """Given-back entries lead the table, under a window, before the next query's window."""
+    n, rid = table.num_dropped, table.request.request_id
+    if table.blocks[:n] != [NO_BLOCK] * n or NO_BLOCK in table.live:
+        raise InvariantError(f"table of {rid!r}: NO_BLOCK entries are not exactly its first {n}")
+    if n == 0:
+        return
+    window = manager.sliding_window
+    if window is None or n * manager.block_size > table.request.num_computed_tokens - window + 1:
+        raise InvariantError(
+            f"table of {rid!r} gave back {n} blocks: not all before its window ({window})"
+        )
 
 
 def _check_twins(manager: KVCacheManager) -> None:
@@ -164,9 +182,13 @@ def check_plan(manager: KVCacheManager, plan: Plan) -> None:
                 f"table of {s.request.request_id!r} does not cover scheduled tokens", pool, blocks
             )
         written = {blocks[i] for i in range(s.start_position // bs, -(end // -bs))}
+        window = manager.sliding_window
+        first_read = s.start_position - (window - 1 if window is not None else s.start_position)
+        if NO_BLOCK in blocks[max(0, first_read) // bs : -(end // -bs)]:
+            _fail(f"step {plan.step}: {s.request.request_id!r} reads a given-back block", pool, [])
         shared = [b for b in written if pool._ref[b] > 1]
         if shared:
-            owners = _owners((rid, t.blocks) for rid, t in manager.tables.device.items())
+            owners = _owners((rid, t.live) for rid, t in manager.tables.device.items())
             _fail(
                 f"step {plan.step}: {s.request.request_id!r} writes into shared blocks",
                 pool,

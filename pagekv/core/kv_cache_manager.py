@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from pagekv.core.block_pool import BlockHash, BlockPool
-from pagekv.core.block_table import BlockTables, cdiv
+from pagekv.core.block_table import NO_BLOCK, BlockTables, cdiv
 from pagekv.core.plan import BlockTransfers
 from pagekv.core.prefix_cache import extend_hash_chain
 from pagekv.core.request import Request
@@ -55,6 +55,7 @@ class KVCacheManager:
         *,
         write_policy: WritePolicy | str | None = None,
         write_storage: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         if not isinstance(num_host_blocks, int) or num_host_blocks < 0:
             raise InvalidRequestError(
@@ -62,7 +63,16 @@ class KVCacheManager:
             )
         self.pool = BlockPool(num_blocks, block_size)
         self.host_pool = BlockPool(num_host_blocks, block_size) if num_host_blocks > 0 else None
+        if sliding_window is not None and (
+            not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise InvalidRequestError(
+                f"sliding_window must be >= 1 or None, got {sliding_window!r}", "sliding_window"
+            )
         self.block_size = block_size
+        # Every layer's attention window (None: some layer attends to all): blocks wholly
+        # before it are given back as the requests move on (``release_outside_window``).
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -85,6 +95,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.block_table(request_id)
 
+    def num_held_blocks(self, request_id: str) -> int:
+        """The blocks a request holds (device, or host while swapped): what freeing it gives."""
+        return self.tables.num_held(request_id)
+
     def host_block_table(self, request_id: str) -> list[int]:
         return self.tables.host_block_table(request_id)
 
@@ -106,6 +120,17 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def most_blocks_held(self, num_prompt: int, num_tokens: int, chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` (``num_prompt`` of them its prompt)
+        holds at once when fed at most ``chunk`` tokens a step: all of them, or, under a
+        sliding window, what one step's window and new tokens span (a prompt chunk's at most,
+        a decode's fewer)."""
+        full = self.num_blocks_for(num_tokens)
+        if self.sliding_window is None:
+            return full
+        span = self.sliding_window - 1 + min(chunk, num_prompt)
+        return min(full, self.num_blocks_for(span) + 1)
 
     @property
     def num_host_blocks(self) -> int:
@@ -213,10 +238,10 @@ class KVCacheManager:
                 f"'s {request.num_tokens} tokens",
                 "num_new_tokens",
             )
-        if self.num_blocks_for(request.num_tokens) > self.pool.num_blocks:
+        need = self.most_blocks_held(request.num_tokens, request.num_tokens, num_new_tokens)
+        if need > self.pool.num_blocks:
             raise PromptTooLongError(
-                f"request {rid!r} needs {self.num_blocks_for(request.num_tokens)} blocks; "
-                f"the whole pool has {self.pool.num_blocks}",
+                f"request {rid!r} needs {need} blocks; the whole pool has {self.pool.num_blocks}",
                 "prompt",
             )
 
@@ -277,8 +302,8 @@ class KVCacheManager:
                 f"({parent.num_computed_tokens}), child has {child.num_computed_tokens}",
                 "num_computed_tokens",
             )
-        self.pool.touch(table.blocks)
-        self.tables.add(child, table.blocks, table.num_committed)
+        self.pool.touch(table.live)
+        self.tables.add(child, table.blocks, table.num_committed, table.num_dropped)
         child.block_hashes = list(parent.block_hashes)
 
     def free(self, request_id: str) -> None:
@@ -288,9 +313,29 @@ class KVCacheManager:
         if table is None and host_table is None:
             raise UnknownRequestError(f"request {request_id!r} holds no blocks")
         if table is not None:
-            self.pending.release(self.pool, table.blocks[::-1])
+            self.pending.release(self.pool, table.live[::-1])
         if host_table is not None and self.host_pool is not None:
-            self.pending.release(self.host_pool, host_table.blocks[::-1])
+            self.pending.release(self.host_pool, host_table.live[::-1])
+
+    def release_outside_window(self, request: Request) -> None:
+        """Under a sliding window, give back the blocks wholly before the window of the
+        request's next query (position ``num_computed_tokens``: it sees the keys after
+        position - window, and every later query fewer). Their entries become ``NO_BLOCK``;
+        committed blocks stay in the prefix cache, evictable. Called after each step."""
+        window = self.sliding_window
+        if window is None:
+            return
+        table = self.tables.lookup(request.request_id)
+        dead = (request.num_computed_tokens - window + 1) // self.block_size
+        if self.enable_prefix_caching:  # a block is given back once the prefix cache has it
+            dead = min(dead, table.num_committed)
+        first = table.num_dropped
+        if dead <= first:
+            return
+        released = table.blocks[first:dead]
+        table.blocks[first:dead] = [NO_BLOCK] * (dead - first)
+        table.num_dropped = dead
+        self.pending.release(self.pool, released[::-1])
 
     def commit(self, request: Request) -> None:
         """Register the request's newly full, computed blocks in the prefix cache.
@@ -305,7 +350,7 @@ class KVCacheManager:
         if num_full <= table.num_committed:
             return
         chain = self._hash_chain(request, num_full)
-        for i in range(table.num_committed, num_full):
+        for i in range(max(table.num_committed, table.num_dropped), num_full):
             block_id = table.blocks[i]
             if self.pending.is_incoming(block_id):
                 # Its K/V arrives with a transfer not yet applied: not a cache hit until then
@@ -335,27 +380,29 @@ class KVCacheManager:
         host = self.host_pool
         if host is None:
             return False
-        num_moves = self.pending.num_moves(table.blocks, to_host=True)
+        live, dropped = table.live, [NO_BLOCK] * table.num_dropped
+        num_moves = self.pending.num_moves(live, to_host=True)
         if num_moves > host.num_free_blocks:
             return False
-        host_blocks = self.pending.move(table.blocks, to_host=True)
+        host_blocks = self.pending.move(live, to_host=True)
         self.tables.pop(request_id)
-        self.pending.release(self.pool, table.blocks[::-1])
-        self.tables.add_host(table.request, host_blocks)
+        self.pending.release(self.pool, live[::-1])
+        self.tables.add_host(table.request, dropped + host_blocks, table.num_dropped)
         self.num_swapped_out_blocks += num_moves
         return True
 
     def swap_in(self, request_id: str) -> bool:
         """Bring a swapped request's blocks back to the device; False if the pool lacks room."""
         host_table = self.tables.lookup_host(request_id)
-        num_moves = self.pending.num_moves(host_table.blocks, to_host=False)
+        live, num_dropped = host_table.live, host_table.num_dropped
+        num_moves = self.pending.num_moves(live, to_host=False)
         if num_moves > self.pool.num_free_blocks:
             return False
-        blocks = self.pending.move(host_table.blocks, to_host=False)
+        blocks = self.pending.move(live, to_host=False)
         assert self.host_pool is not None  # a host table implies a host pool
         self.tables.pop_host(request_id)
-        self.pending.release(self.host_pool, host_table.blocks[::-1])
-        self.tables.add(host_table.request, blocks)
+        self.pending.release(self.host_pool, live[::-1])
+        self.tables.add(host_table.request, [NO_BLOCK] * num_dropped + blocks, 0, num_dropped)
         self.num_swapped_in_blocks += num_moves
         return True
 

@@ -58,7 +58,7 @@ class Preemptor:
         """Give back the victim's blocks: swap if chosen and possible, else recompute."""
         victim.num_preemptions += 1
         rid = victim.request_id
-        num_blocks = len(self.kv.block_table(rid))
+        num_blocks = self.kv.num_held_blocks(rid)
         mode = self.choose_mode(victim, num_blocks)
         if mode is PreemptionMode.SWAP:
             moved_before = self.kv.num_swapped_out_blocks

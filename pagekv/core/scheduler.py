@@ -25,14 +25,12 @@ and a resumed request differ only in how far apart the two numbers are. Order wi
        swapped out (they come back first). A request whose next uncached prefix block another
        prefill of this step completes waits one step, then hits it (in-batch prefix sharing)
 
-A request whose prefix is being fetched from the storage tier waits in ``loading``, outside the
-queue, so it blocks no one; it returns to ``waiting`` (in its old place) when the prefetch
-arrives or when waiting stops paying (``LoadCostModel``: never longer than recomputing).
+A request whose prefix the storage tier fetches waits in ``loading``, blocking no one, then in
+its old place in ``waiting`` once it arrives or waiting stops paying (``LoadCostModel``).
 
 Per step, one request's chunk is capped by ``long_prefill_token_threshold`` (0: no cap), so a
-long prompt is spread over several steps instead of stretching one step for everyone (figures:
-benchmarks/RESULTS.md, "Scheduler"). ``running`` is re-sorted only after a request joined it
-out of order, so a steady decode batch costs no sorting.
+long prompt is spread over several steps, not one step stretched for everyone. ``running``
+is re-sorted only after a request joined it out of order: a steady decode costs no sorting.
 """
 
 from __future__ import annotations
@@ -97,11 +95,10 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
         self._preempted_last_step = False
         self._running_sorted = True  # False once a request joins ``running`` out of order
+        spec = config.num_speculative_tokens
         self.proposer = (
-            NgramProposer(
-                config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
-            )
-            if config.num_speculative_tokens
+            NgramProposer(spec, config.prompt_lookup_max, config.prompt_lookup_min)
+            if spec
             else None
         )
 
@@ -117,11 +114,12 @@ class Scheduler:
                 f"exceeds the model's context of {self.config.max_model_len} tokens",
                 "max_tokens" if num_prompt_tokens < self.config.max_model_len else "prompt",
             )
-        if self.kv.num_blocks_for(total) > self.kv.pool.num_blocks:
+        kv, chunk = self.kv, self.config.max_num_batched_tokens
+        if (need := kv.most_blocks_held(num_prompt_tokens, total, chunk)) > kv.pool.num_blocks:
             self.counters.rejected_requests += 1
             raise PromptTooLongError(
-                f"prompt + max_tokens = {total} tokens needs {self.kv.num_blocks_for(total)} "
-                f"KV blocks; the whole pool has {self.kv.pool.num_blocks}",
+                f"prompt + max_tokens = {total} tokens needs {need} KV blocks; the whole pool "
+                f"has {kv.pool.num_blocks}",
                 "prompt",
             )
 
@@ -362,7 +360,7 @@ class Scheduler:
             if self.running:
                 # Room for its blocks, its next block and the watermark, or it would only be
                 # preempted again. Alone, it takes what there is (it fits the pool: check_fits).
-                need = len(self.kv.host_block_table(rid)) + 1 + self._watermark_blocks
+                need = self.kv.num_held_blocks(rid) + 1 + self._watermark_blocks
                 if need > self.kv.pool.num_free_blocks:
                     return
             if not self.kv.swap_in(rid):
@@ -400,6 +398,7 @@ class Scheduler:
         """
         finished: list[Request] = []
         block_size, commit, running = self.kv.block_size, self.kv.commit, RequestStatus.RUNNING
+        release = self.kv.release_outside_window  # sliding windows only
         for entry in plan.scheduled:
             request = entry.request
             if request.status is not running:
@@ -412,6 +411,7 @@ class Scheduler:
             end = request.num_computed_tokens = start + entry.num_tokens
             if end // block_size != start // block_size:
                 commit(request)  # a block filled up (commit also catches up on any before it)
+            release(request)
             if request.fork_children and end == request.num_target_tokens:
                 self.fork(request)
             if end != len(request.all_token_ids):
@@ -443,6 +443,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_tokens - 1
         if request.num_computed_tokens // self.kv.block_size != start // self.kv.block_size:
             self.kv.commit(request)
+        self.kv.release_outside_window(request)
         if status is not None:
             self.finish(request, status)
             finished.append(request)

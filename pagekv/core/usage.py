@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagekv.core.block_pool import BlockPool
+from pagekv.core.block_table import NO_BLOCK
 
 
 class UsageSource(Protocol):
@@ -66,8 +67,10 @@ class KVUsage:
         fill: dict[int, int] = {}
         num_logical = 0
         for blocks, computed in manager.table_fills():
-            num_logical += len(blocks)
             for i, block_id in enumerate(blocks):
+                if block_id == NO_BLOCK:  # given back under a sliding window
+                    continue
+                num_logical += 1
                 tokens = min(manager.block_size, max(0, computed - i * manager.block_size))
                 fill[block_id] = max(fill.get(block_id, 0), tokens)
         pool = manager.pool

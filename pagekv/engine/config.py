@@ -151,18 +151,9 @@ logger = logging.getLogger("pagekv")
 
 
 def max_model_len(config: EngineConfig, model: ModelConfig) -> int:
-    """The configured context, capped at the model's own: a longer one is used at the model's
-    length, with a warning, rather than refused. The model's is ``ModelConfig.context_length``:
-    a sliding window shorter than its positions caps it, with a warning of its own
-    (sliding-window attention is not implemented; past the window full attention would give
-    other numbers, so the engine never goes there)."""
-    window, context = model.sliding_window, model.context_length
-    if window is not None and window < model.max_position_embeddings:
-        logger.warning(
-            "sliding-window attention (%d tokens) is not implemented: context capped at %d tokens",
-            window,
-            context,
-        )
+    """The configured context, capped at the model's positions: a longer one is used at the
+    model's length, with a warning, rather than refused."""
+    context = model.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > context:
         logger.warning(
             "max_model_len %d is beyond the model's context of %d tokens; using %d",

@@ -136,6 +136,7 @@ class LLMEngine:
             num_host,
             write_policy=config.cache_write_policy if lower_tiers else None,
             write_storage=store is not None,
+            sliding_window=mcfg.kv_window,
         )
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size, num_host, num_threads=config.num_threads

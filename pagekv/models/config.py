@@ -21,6 +21,27 @@ ROPE_SCALING_TYPES = ("llama3", "linear")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 RopeScaling = tuple[tuple[str, object], ...]
+QWEN_MAX_WINDOW_LAYERS = 28  # Qwen2Config's default: layers from this index on slide
+
+
+def qwen_layer_types(raw: Mapping[str, object], source: str) -> dict[str, object]:
+    """Qwen2/Qwen3's sliding layers, where the window is on: config.json's layer_types, else
+    (as their configs derive it) every layer from ``max_window_layers`` on. The window the
+    loader read applies to those layers only; none of them left: no window."""
+    if not raw.get("use_sliding_window") or raw.get("sliding_window") is None:
+        return {}
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+        count = raw.get("num_hidden_layers")
+        if not isinstance(first, int) or not isinstance(count, int):
+            raise ModelLoadError(f"{source}: max_window_layers should be an integer")
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(count)]
+    if not isinstance(types, list) or not all(t in LAYER_TYPES for t in types):
+        raise ModelLoadError(f"{source}: config.json layer_types should list {LAYER_TYPES}")
+    if "sliding_attention" not in types:
+        return {"sliding_window": None}
+    return {"layer_types": tuple(types)}
 
 
 @dataclass(frozen=True)
@@ -41,14 +62,15 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2-style bias on q/k/v
-    # The smallest sliding window of any layer's attention (None: all attend to everything);
-    # not implemented, so the engine's context stops at it (within it the two are the same).
+    # The sliding window of the layers that slide (``layer_types``; all of them when that is
+    # None): a query at position p sees the keys p - window < k <= p. None: no layer slides.
     sliding_window: int | None = None
     # Optional, for architectures beyond Llama's shape; the defaults are Llama's.
     layer_types: tuple[str, ...] | None = None  # per layer, one of LAYER_TYPES (None: all full)
     rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3), unscaled
     query_pre_attn_scalar: float | None = None  # attention scale: its ** -0.5 (else head_dim's)
     final_logit_softcapping: float | None = None  # logits become tanh(logits / c) * c
+    attn_logit_softcapping: float | None = None  # attention scores likewise (Gemma 2)
 
     def __post_init__(self) -> None:
         known = architecture_names()
@@ -91,7 +113,12 @@ class ModelConfig:
         window = self.sliding_window
         if window is not None and (not isinstance(window, int) or window <= 0):
             raise ModelLoadError(f"sliding_window must be a positive integer, got {window!r}")
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+        for name in (
+            "rope_local_theta",
+            "query_pre_attn_scalar",
+            "final_logit_softcapping",
+            "attn_logit_softcapping",
+        ):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ModelLoadError(f"config {name} must be positive or None, got {value!r}")
@@ -114,12 +141,19 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
-    def context_length(self) -> int:
-        """The longest sequence run exactly: max_position_embeddings, or the sliding window
-        where that is shorter (full attention equals sliding-window attention up to it)."""
-        window = self.sliding_window
-        limit = self.max_position_embeddings
-        return limit if window is None else min(limit, window)
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: it sees every earlier position)."""
+        window, types = self.sliding_window, self.layer_types
+        if window is None or types is None:
+            return (window,) * self.num_hidden_layers
+        return tuple(window if t == "sliding_attention" else None for t in types)
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer shares, None where some layer sees everything: blocks wholly
+        before it are read by no layer again, so the KV cache may give them back."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def attention_scale(self) -> float:

@@ -1,5 +1,6 @@
-"""The Gemma 3 text decoder (``gemma3_text``, registered in registry.py as ``GEMMA3``): the
-Llama decoder's interface and fused weights, Gemma's own math.
+"""The Gemma 2 and Gemma 3 text decoders (``gemma2`` and ``gemma3_text``, registered in
+registry.py as ``GEMMA2`` and ``GEMMA3``): the Llama decoder's interface and fused weights,
+Gemma's own math.
 
 What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
 
@@ -16,14 +17,14 @@ What differs from Llama, as transformers' Gemma3ForCausalLM computes it:
 - local ("sliding_attention") and global layers, each with its own RoPE base: local layers
   ``rope_local_theta`` unscaled, global ones ``rope_theta`` with the config's scaling.
 
-The sliding window itself is not applied here: the runner's attention is causal over the whole
-context, which equals the window's attention while a sequence is no longer than
-``ModelConfig.sliding_window``, at which the engine must cap the context.
+Gemma 2 is the same but for: no q/k norms, one RoPE base for every layer, and attention scores
+soft-capped like the logits (``attn_logit_softcapping``). The sliding window and the scores'
+cap are the runner's attention's (``ModelConfig.layer_windows``, ``attn_logit_softcapping``):
+the model only hands each layer's q/k/v to it.
 
 These elementwise ops run in torch whatever ``LayerOps`` the model is given: the fused C ops
 implement Llama's norms and SiLU, not these. The matmuls still go through the ops (their packed
-weights). Gemma 2 is not here: its attention-score soft-capping would have to reach every
-attention kernel. Imports nothing from runner/ or core/.
+weights). Imports nothing from runner/ or core/.
 """
 
 from __future__ import annotations
@@ -67,13 +68,16 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 class Gemma3DecoderLayer(LlamaDecoderLayer):
     """One Gemma 3 block: h = x + post_norm(attn(norm(x))), then h + post_ff(mlp(pre_ff(h)))."""
 
+    qk_norm = True  # q and k RMS-normed per head before RoPE
+
     def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__(config, layer_idx, dtype)
         hidden, head_dim = config.hidden_size, config.head_dim
         self.pre_feedforward_layernorm = _weight(hidden, dtype=dtype)
         self.post_feedforward_layernorm = _weight(hidden, dtype=dtype)
-        self.q_norm = _weight(head_dim, dtype=dtype)
-        self.k_norm = _weight(head_dim, dtype=dtype)
+        if self.qk_norm:
+            self.q_norm = _weight(head_dim, dtype=dtype)
+            self.k_norm = _weight(head_dim, dtype=dtype)
         types = config.layer_types
         self.sliding = types is not None and types[layer_idx] == SLIDING
 
@@ -108,9 +112,16 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         qkv = self.ops.linear(h, *self._projection("qkv_proj", self.qkv_bias))
         q, k, v = torch.split(qkv, [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         shape = (h.shape[0], -1, cfg.head_dim)
-        q = apply_rope(gemma_rms_norm(q.reshape(shape), self.q_norm, eps), cos, sin)
-        k = apply_rope(gemma_rms_norm(k.reshape(shape), self.k_norm, eps), cos, sin)
-        return q, k, v.reshape(shape).contiguous()
+        q, k = q.reshape(shape), k.reshape(shape)
+        if self.qk_norm:
+            q, k = gemma_rms_norm(q, self.q_norm, eps), gemma_rms_norm(k, self.k_norm, eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(shape).contiguous()
+
+
+class Gemma2DecoderLayer(Gemma3DecoderLayer):
+    """One Gemma 2 block: Gemma 3's without the q/k norms."""
+
+    qk_norm = False
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -157,8 +168,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         targets = super()._targets()
         for i, layer in enumerate(self.layers):
             for suffix, param_name in _GEMMA_LAYER_PARAMS.items():
-                targets[f"model.layers.{i}.{suffix}"] = (layer, param_name, None)
+                if hasattr(layer, param_name):
+                    targets[f"model.layers.{i}.{suffix}"] = (layer, param_name, None)
         return targets
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """The Gemma 2 model: Gemma 3's with Gemma 2's layers (one RoPE base: the loader leaves
+    ``rope_local_theta`` unset)."""
+
+    layer_class = Gemma2DecoderLayer
 
 
 def _number(raw: Mapping[str, object], key: str, source: str, default: float) -> float:
@@ -203,31 +222,51 @@ def _rope_fields(raw: Mapping[str, object], source: str) -> dict[str, Any]:
     }
 
 
-def gemma3_config_fields(raw: Mapping[str, object], source: str) -> dict[str, Any]:
-    """The ModelConfig fields Gemma 3's config.json says its own way (Gemma3TextConfig's
-    defaults where it is silent); ModelLoadError for what pagekv does not run."""
+def _common_fields(raw: Mapping[str, object], source: str, default_types: str) -> dict[str, Any]:
+    """The fields Gemma 2 and 3 read alike; ``default_types``: how layer_types is derived
+    where config.json lacks it ("pattern": Gemma 3's, "alternate": Gemma 2's)."""
     activation = raw.get("hidden_activation", "gelu_pytorch_tanh")
     if activation != "gelu_pytorch_tanh":
         raise ModelLoadError(f"{source}: Gemma MLP activation {activation!r} is not supported")
-    if raw.get("attn_logit_softcapping") is not None:
-        raise ModelLoadError(f"{source}: attn_logit_softcapping is not supported")
     if raw.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{source}: bidirectional attention is not supported")
-    types = _layer_types(raw, source, int(_number(raw, "num_hidden_layers", source, 0)))
+    num_layers = int(_number(raw, "num_hidden_layers", source, 0))
+    if default_types == "alternate" and raw.get("layer_types") is None:
+        types = tuple(SLIDING if (i + 1) % 2 else "full_attention" for i in range(num_layers))
+    else:
+        types = _layer_types(raw, source, num_layers)
     window = int(_number(raw, "sliding_window", source, 4096)) if SLIDING in types else None
-    cap = raw.get("final_logit_softcapping")
-    if cap is not None:
-        cap = _number(raw, "final_logit_softcapping", source, 0.0)
+    caps = {}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        cap = raw.get(key)
+        caps[key] = None if cap is None else _number(raw, key, source, 0.0)
     return {
-        **_rope_fields(raw, source),
         "head_dim": int(_number(raw, "head_dim", source, 256)),
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True)),
         "layer_types": types,
         "sliding_window": window,
         "query_pre_attn_scalar": _number(raw, "query_pre_attn_scalar", source, 256),
-        "final_logit_softcapping": cap,
+        **caps,
     }
+
+
+def gemma3_config_fields(raw: Mapping[str, object], source: str) -> dict[str, Any]:
+    """The ModelConfig fields Gemma 3's config.json says its own way (Gemma3TextConfig's
+    defaults where it is silent); ModelLoadError for what pagekv does not run."""
+    fields = _common_fields(raw, source, "pattern")
+    return {**_rope_fields(raw, source), **fields}
+
+
+def gemma2_config_fields(raw: Mapping[str, object], source: str) -> dict[str, Any]:
+    """Gemma 2's (Gemma2Config's defaults where it is silent: every other layer slides, both
+    soft caps on); its RoPE is the loader's usual one."""
+    fields = _common_fields(raw, source, "alternate")
+    for key, default in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0)):
+        if key not in raw:
+            fields[key] = default
+    return fields
 
 
 # No GGUF: llama.cpp's converter stores Gemma's norms with the 1 already added (unverified here).
 GEMMA3 = Architecture(Gemma3ForCausalLM, hf_config_fields=gemma3_config_fields)
+GEMMA2 = Architecture(Gemma2ForCausalLM, hf_config_fields=gemma2_config_fields)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagekv.errors import ModelLoadError
-from pagekv.models.config import ModelConfig
+from pagekv.models.config import ModelConfig, qwen_layer_types
 from pagekv.models.layer_ops import (
     TORCH_OPS,
     Allocate,
@@ -420,5 +420,7 @@ GGUF_NAMES = GGUFNames(
 # llama.cpp's converter permutes Llama's q/k rows; Qwen2 always has q/k/v bias (its config.json
 # does not say so); Mistral's GGUF files call themselves llama, so it has none of its own.
 LLAMA = Architecture(LlamaForCausalLM, GGUF_NAMES, gguf_rope_permuted=True)
-QWEN2 = Architecture(LlamaForCausalLM, GGUF_NAMES, hf_attention_bias=True)
+QWEN2 = Architecture(
+    LlamaForCausalLM, GGUF_NAMES, hf_attention_bias=True, hf_config_fields=qwen_layer_types
+)
 MISTRAL = Architecture(LlamaForCausalLM)

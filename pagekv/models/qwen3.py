@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagekv.models.config import ModelConfig
+from pagekv.models.config import ModelConfig, qwen_layer_types
 from pagekv.models.llama import (
     _LAYER_PARAMS,
     GGUF_NAMES,
@@ -82,4 +82,4 @@ GGUF_NAMES_QWEN3 = GGUFNames(
     },
 )
 
-QWEN3 = Architecture(Qwen3ForCausalLM, GGUF_NAMES_QWEN3)
+QWEN3 = Architecture(Qwen3ForCausalLM, GGUF_NAMES_QWEN3, hf_config_fields=qwen_layer_types)

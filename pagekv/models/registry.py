@@ -69,6 +69,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("pagekv.models.llama", "MISTRAL"),
     "qwen3": ("pagekv.models.qwen3", "QWEN3"),
     "phi3": ("pagekv.models.phi3", "PHI3"),
+    "gemma2": ("pagekv.models.gemma", "GEMMA2"),
     "gemma3_text": ("pagekv.models.gemma", "GEMMA3"),
 }
 

@@ -113,14 +113,14 @@ def write_kv(
 
 
 def _gather_history(
-    cache: torch.Tensor, meta: AttentionMetadata, key_valid: torch.Tensor
+    cache: torch.Tensor, meta: AttentionMetadata, positions: torch.Tensor, key_valid: torch.Tensor
 ) -> torch.Tensor:
-    """Read every sequence's padded history through its block table in one indexing op.
+    """Read every sequence's padded history at ``positions`` (int64 [S]) through its block
+    table in one indexing op.
 
     cache: [num_blocks, block_size, num_kv_heads, head_dim]; key_valid: bool [B, S]
-    returns float32 [B, num_kv_heads, S, head_dim], zero past each sequence's length.
+    returns float32 [B, num_kv_heads, S, head_dim], zero where a key is not valid.
     """
-    positions = torch.arange(meta.max_seq_len, device=cache.device)  # [S]
     logical_blocks = positions // meta.block_size  # [S]
     physical = meta.block_tables[:, logical_blocks]  # [B, S]
     history = cache[physical, positions % meta.block_size]  # [B, S, kv_heads, D]
@@ -144,8 +144,28 @@ def _token_coordinates(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.
     return seq_of_token, index_in_seq, query_lens
 
 
-def _attention_mask(
+def _keys_read(
     meta: AttentionMetadata, query_lens: torch.Tensor, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key positions the step reads, from the first any query sees, and per sequence
+    which of them its queries may see at all (not past its length, nor, with a window, before
+    its first query's window: those blocks may be given back already).
+
+    returns key_pos int64 [S], key_valid bool [B, S]
+    """
+    first_key = 0
+    first_query = meta.seq_lens - query_lens  # [B]
+    if window is not None and meta.num_seqs:
+        first_key = max(0, int(first_query.min()) - window + 1)
+    key_pos = torch.arange(first_key, meta.max_seq_len, device=meta.seq_lens.device)  # [S]
+    key_valid = key_pos[None, :] < meta.seq_lens[:, None]  # [B, S]
+    if window is not None:
+        key_valid &= key_pos[None, :] > (first_query - window)[:, None]
+    return key_pos, key_valid
+
+
+def _attention_mask(
+    meta: AttentionMetadata, query_lens: torch.Tensor, key_pos: torch.Tensor, window: int | None
 ) -> torch.Tensor:
     """Causal + length mask, True where query j of sequence b may attend to key position k:
     k <= p for the query's position p, and p - window < k with a sliding window.
@@ -154,7 +174,6 @@ def _attention_mask(
     """
     device = meta.seq_lens.device
     query_idx = torch.arange(meta.max_query_len, device=device)  # [Q]
-    key_pos = torch.arange(meta.max_seq_len, device=device)  # [S]
     query_pos = (meta.seq_lens - query_lens)[:, None] + query_idx[None, :]  # [B, Q]
     # Padded query rows (j >= q_len) sit at positions >= seq_len; clamping them to the last
     # real position gives them a non-empty row, so their softmax never produces NaN.
@@ -179,13 +198,11 @@ def paged_attention_reference(
     """Causal attention of this step's queries over each sequence's cached history.
 
     q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
-    returns [T, num_heads, head_dim] in q's dtype. The caller has already run ``write_kv`` for
-    this step's tokens. Covers prefill, decode and prefix-cached prefill (q_len < seq_len).
-    ``window``: a query at position p sees only the keys p - window < k <= p (sliding-window
-    layers); the blocks before that may already be freed, and are never read. ``softcap``:
-    scaled scores become tanh(s / softcap) * softcap before the softmax (Gemma 2).
-    Computes in float32 whatever the input dtype: this is the reference.
-    """
+    returns [T, num_heads, head_dim] in q's dtype, computed in float32 (the reference). The
+    caller has already run ``write_kv`` for this step's tokens. Covers prefill, decode and
+    prefix-cached prefill (q_len < seq_len). ``window``: a query at position p sees only keys
+    p - window < k <= p (blocks before that may be given back: never read). ``softcap``:
+    scaled scores become tanh(s / softcap) * softcap before the softmax (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0 or k_cache.shape[3] != head_dim:
@@ -194,16 +211,12 @@ def paged_attention_reference(
             f"a multiple of num_kv_heads and head_dims must match"
         )
     group = num_heads // num_kv_heads
-    num_seqs, max_q, max_s = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+    num_seqs, max_q = meta.num_seqs, meta.max_query_len
 
     seq_of_token, index_in_seq, query_lens = _token_coordinates(meta, num_tokens)
-    key_pos = torch.arange(max_s, device=q.device)  # [S]
-    key_valid = key_pos[None, :] < meta.seq_lens[:, None]  # [B, S]
-    if window is not None:  # keys no query of this step sees (their blocks may be freed)
-        first_query = meta.seq_lens - query_lens  # [B]
-        key_valid &= key_pos[None, :] > (first_query - window)[:, None]
-    keys = _gather_history(k_cache, meta, key_valid)  # [B, KVH, S, D]
-    values = _gather_history(v_cache, meta, key_valid)  # [B, KVH, S, D]
+    key_pos, key_valid = _keys_read(meta, query_lens, window)  # [S], [B, S]
+    keys = _gather_history(k_cache, meta, key_pos, key_valid)  # [B, KVH, S, D]
+    values = _gather_history(v_cache, meta, key_pos, key_valid)  # [B, KVH, S, D]
 
     q_pad = q.new_zeros((num_seqs, max_q, num_heads, head_dim), dtype=torch.float32)
     q_pad[seq_of_token, index_in_seq] = q.float()  # [B, Q, H, D]
@@ -218,10 +231,11 @@ def paged_attention_reference(
     scores = torch.matmul(q_grouped, keys.transpose(-1, -2)) * scale  # [B, KVH, G*Q, S]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(num_seqs, num_kv_heads, group, max_q, max_s)
-    mask = _attention_mask(meta, query_lens, window)  # [B, Q, S]
+    span = key_pos.shape[0]
+    scores = scores.view(num_seqs, num_kv_heads, group, max_q, span)
+    mask = _attention_mask(meta, query_lens, key_pos, window)  # [B, Q, S]
     scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, group * max_q, max_s)
+    probs = torch.softmax(scores, dim=-1).view(num_seqs, num_kv_heads, group * max_q, span)
     out = torch.matmul(probs, values)  # [B, KVH, G*Q, D]
 
     out = (

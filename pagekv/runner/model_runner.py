@@ -17,6 +17,7 @@ One step::
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -105,6 +106,8 @@ class ModelRunner:
             else None
         )
         self.scale = cfg.attention_scale
+        # Per layer: the sliding window (None: all of the history), and the scores' soft cap.
+        self.windows, self.softcap = cfg.layer_windows, cfg.attn_logit_softcapping
         self.attention = attention
         self.kernel = cpu_kernel.load() if attention is AttentionBackend.FAST else None
         self.prefill_kernel = prefill_kernel.load() if attention is AttentionBackend.FAST else None
@@ -203,18 +206,11 @@ class ModelRunner:
         return self._results(entries, out)
 
     def _attention_fn(self, inputs: StepInputs) -> AttentionFn:
-        """The per-layer attention: write this step's K/V into its slots, then attend."""
-        kv, slots = self.kv, inputs.slot_mapping
-        if self.attention is AttentionBackend.REFERENCE:
-            meta = reference_metadata(inputs, self.block_size)
-
-            def reference(
-                layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-            ) -> torch.Tensor:
-                write_kv(kv.k[layer], kv.v[layer], k, v, slots)
-                return paged_attention_reference(q, kv.k[layer], kv.v[layer], meta, self.scale)
-
-            return reference
+        """The per-layer attention: write this step's K/V into its slots, then attend. Layers
+        with a sliding window or soft-capped scores take the reference attention (the C
+        kernels attend to the whole history, uncapped), built once for the step."""
+        kv, slots, windows, softcap = self.kv, inputs.slot_mapping, self.windows, self.softcap
+        reference_meta = functools.cache(lambda: reference_metadata(inputs, self.block_size))
         fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
         kernel = self.kernel
 
@@ -222,7 +218,12 @@ class ModelRunner:
             caches = (kv.k[layer], kv.v[layer])
             if kernel is None or not kernel.write_kv(*caches, k, v, slots):
                 write_kv(*caches, k, v, slots)
-            return fast(q, k, v, caches)
+            window = windows[layer]
+            if self.attention is AttentionBackend.FAST and window is None and softcap is None:
+                return fast(q, k, v, caches)
+            return paged_attention_reference(
+                q, *caches, reference_meta(), self.scale, window=window, softcap=softcap
+            )
 
         return attend
 
