@@ -124,6 +124,28 @@ def test_quantized_matmul_matches_the_dequantized_weights(
     assert (got.double() - want.double()).abs().max() <= want.double().abs().max() / 64
 
 
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_bf16_batches_match_the_bf16_rounded_weights(ops: fused_ops.FusedOps, qtype: QT) -> None:
+    """bf16 activations in batches of 8 rows or more: where the target has AVX512-BF16, the
+    stripes dequantized into bf16 tiles, so the product of the rows with the weights rounded to
+    bf16 (the dense bf16 path's weights); elsewhere the stripes' float32 weights. Either to the
+    output's bf16 rounding and any order of float32 sums; a row's numbers are those of any
+    such batch it is in."""
+    weight = quantized([qtype], 64, seed=5)
+    packed = ops.pack(weight)
+    dense = torch.from_numpy(weight.dequantize())
+    tiles = ops.dense.tiles_max_rows > 0  # AVX512-BF16
+    dense = (dense.bfloat16() if tiles else dense).double()
+    x = torch.randn(300, WIDTH).bfloat16()
+    out = ops.linear(x, weight, packed, None)
+    assert out.dtype == torch.bfloat16
+    exact = x.double() @ dense.T
+    sums = 2 * WIDTH * 2.0**-24 * (x.double().abs() @ dense.abs().T)
+    assert ((out.double() - exact).abs() <= 2.0**-8 * exact.abs() + sums).all()
+    for rows in (8, 13, 64):
+        assert torch.equal(ops.linear(x[:rows].contiguous(), weight, packed, None), out[:rows])
+
+
 def test_rows_that_are_not_whole_stripes_are_not_packed(ops: fused_ops.FusedOps) -> None:
     weight = quantized([QT.Q8_0], ops.stripe_width + ops.stripe_width // 2)
     assert ops.pack(weight) is None

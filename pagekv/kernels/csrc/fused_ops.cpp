@@ -369,12 +369,83 @@ int quant_columns(int bits, int group, int superblock, int offsets, int zero,
         return 0;
     });
 }
+#if defined(__AVX512BF16__)
+// GGUF weights against a batch of bfloat16 rows: each 32-column stripe dequantized once into
+// the bf16 tiles vector_block reads (in this thread's scratch, L2-sized), then multiplied with
+// AVX512-BF16 dot products like a dense bf16 weight. Every weight is the float32 the stripes
+// give, rounded to the nearest bf16 (the dense bf16 path's weight); the conversion costs about
+// one pass of the stripes kernel, so only batches of QUANT_TILES_MIN_ROWS rows or more pay
+// for it. Sums in one order, k ascending, for every row of such a batch.
+static const long QUANT_TILES_MIN_ROWS = 8;
+
+// Lanes 2i and 2i + 1 of a tile row: column i's bf16 at the even k, then at the odd one.
+alignas(64) static const uint16_t PAIR_LANES[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5,
+                                                    21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                                    11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+static inline void store_pairs(uint16_t* p, const VF& even, const VF& odd) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);  // low: even, high: odd
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi16(_mm512_load_si512(PAIR_LANES), both));
+}
+
+// One stripe -> tiles [2][K / 32][512] (the columns 0-15 and 16-31 of tiles_pack_bf16's).
+template <class F>
+static void stripe_to_tiles(const QuantStripe<F>& src, long K, uint16_t* tiles) {
+    uint16_t* right = tiles + K / 32 * 512;
+    for (long k0 = 0; k0 < K; k0 += F::GROUP) {
+        const auto group = src.group(k0);
+        for (int kk = 0; kk < F::GROUP; kk += 2) {
+            VF e0, e1, o0, o1;
+            group.weights(kk, e0, e1);
+            group.weights(kk + 1, o0, o1);
+            const long k = k0 + kk, at = k / 32 * 512 + k % 32 / 2 * 32;
+            store_pairs(tiles + at, e0, o0);
+            store_pairs(right + at, e1, o1);
+        }
+    }
+}
+
+template <class F>
+static void quant_tiles_linear(const uint16_t* x, const uint8_t* packed, uint16_t* out, long M,
+                               long K, long N, long ldo, int threads) {
+    const QuantStripes<F> stripes{packed, K};
+    const long count = N / STRIPE, passes = (M + VECTOR_ROWS - 1) / VECTOR_ROWS;
+    #pragma omp parallel num_threads(threads)
+    {
+        static thread_local std::vector<uint16_t> buffer;
+        buffer.resize(2 * K * 16);
+        uint16_t* tiles = buffer.data();
+        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+        for (long s = count * t / nt; s < count * (t + 1) / nt; ++s) {
+            stripe_to_tiles(stripes.at(s), K, tiles);
+            for (long pass = 0; pass < passes; ++pass) {
+                const long m0 = M * pass / passes, rows = M * (pass + 1) / passes - m0;
+                vector_rows<VECTOR_ROWS>(x + m0 * K, rows, tiles, nullptr,
+                                         out + m0 * ldo + s * STRIPE, K, ldo, pass, passes);
+            }
+        }
+    }
+}
+
+static bool quant_tiles_fit(long M, long K, long N) {
+    return STRIPE == 32 && M >= QUANT_TILES_MIN_ROWS && K % 32 == 0 && N % STRIPE == 0;
+}
+#endif
+
 template <typename XT>
 static int quant_linear(int bits, int group, int superblock, int offsets, int zero,
                         const XT* x, const void* packed, XT* out, long M, long K, long N,
                         long ldo, int threads) {
     if (superblock <= 0 || K % superblock != 0) return -1;
     return with_quant_format(bits, group, superblock, offsets, zero, [&](auto f) {
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same<XT, uint16_t>::value)
+            if (quant_tiles_fit(M, K, N)) {
+                quant_tiles_linear<decltype(f)>(x, (const uint8_t*)packed, out, M, K, N, ldo,
+                                                threads);
+                return 0;
+            }
+#endif
         const QuantStripes<decltype(f)> stripes{(const uint8_t*)packed, K};
         return stripes_matmul(x, stripes, out, M, K, N, ldo, threads);
     });
