@@ -1,6 +1,6 @@
 """Sliding-window attention and soft-capped attention scores, end to end, past the window.
 
-Three families, tiny and random (test_families' recipe), each through the paged KV cache against
+Four families, tiny and random (test_families' recipe), each through the paged KV cache against
 transformers' float32 forward on the same weights, recomputed from scratch every token (no KV
 cache of its own to trust):
 
@@ -8,7 +8,8 @@ cache of its own to trust):
   as it moves on (``KVCacheManager.release_outside_window``), and a request far longer than
   the pool runs in it;
 - Qwen2 with ``max_window_layers``: the first layer sees everything, the second slides;
-- Gemma 2: every other layer slides, and attention scores and logits are soft-capped.
+- Gemma 2: every other layer slides, and attention scores and logits are soft-capped;
+- Gemma 3: local layers slide (with their own RoPE base), global ones see everything.
 
 Block sizes 1, 4 and 16 (a window of 8 is shorter than a block, one block, and several), with
 and without prefix caching, with prefix hits, preemption and swapping; the invariant checks
@@ -51,6 +52,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             # small caps, so that capping changes the numbers of these random weights
             "attn_logit_softcapping": 1.0,
             "final_logit_softcapping": 4.0,
+        },
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
         },
     ),
 }
@@ -115,6 +125,7 @@ def test_the_layers_windows_are_the_configs(family: Family) -> None:
         "mistral": (WINDOW, WINDOW),
         "qwen2": (None, WINDOW),
         "gemma2": (WINDOW, None),
+        "gemma3_text": (WINDOW, None),
     }[family.name]
     assert config.layer_windows == expected
     # only a window every layer shares lets the KV cache give blocks back
