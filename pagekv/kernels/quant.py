@@ -19,7 +19,16 @@ import torch
 
 from pagekv.kernels.dense import by_dtype
 from pagekv.models import layer_ops
-from pagekv.models.quantized import QuantFormat, QuantizedWeight, decode
+from pagekv.models.quantized import (
+    FORMATS,
+    Decoded,
+    QuantFormat,
+    QuantizedWeight,
+    Segment,
+    decode,
+)
+
+PACK_CHUNK_ROWS = 1024  # rows decoded at a time while packing (a multiple of every stripe)
 
 
 @dataclass(frozen=True)
@@ -72,36 +81,42 @@ class QuantKernels:
     def pack(
         self, weight: QuantizedWeight, allocate: layer_ops.Allocate = layer_ops.torch_empty
     ) -> PackedQuant | None:
-        """The weight in stripes, or None where a segment's rows are not whole stripes."""
+        """The weight in stripes, or None where a segment's rows are not whole stripes. Each
+        segment is decoded and packed PACK_CHUNK_ROWS rows at a time, so the decoded form of a
+        large weight (the embedding) is never whole in memory beside its stripes."""
         out_features, width = weight.shape
         if any(s.rows % self.stripe for s in weight.segments):
             return None
-        decoded = [decode(s, width) for s in weight.segments]
+        formats = [FORMATS[s.qtype][0] for s in weight.segments]
         sizes = [
-            self._lib.quant_packed_bytes(*d.format.key(), d.q.shape[0], width) for d in decoded
+            self._lib.quant_packed_bytes(*f.key(), s.rows, width)
+            for f, s in zip(formats, weight.segments, strict=True)
         ]
         if min(sizes) < 0:
             return None
         data = allocate((sum(sizes),), torch.uint8)
         runs: list[Run] = []
         first = offset = 0
-        for d, size in zip(decoded, sizes, strict=True):
-            rows = d.q.shape[0]
-            parts = (d.q, d.d, d.dm, d.sc, d.mk)
-            addresses = [None if part is None else part.ctypes.data for part in parts]
-            status = self._lib.quant_pack(
-                *d.format.key(), *addresses, data.data_ptr() + offset, rows, width
-            )
-            if status != 0:
-                raise ValueError(f"quant_pack declined a {d.format} segment of {rows} rows")
-            if runs and runs[-1].format == d.format:  # the same format follows on: one run
+        for fmt, segment, size in zip(formats, weight.segments, sizes, strict=True):
+            rows = segment.rows
+            for r0 in range(0, rows, PACK_CHUNK_ROWS):
+                part = Segment(segment.qtype, segment.blocks[r0 : r0 + PACK_CHUNK_ROWS])
+                self._pack_rows(decode(part, width), data.data_ptr() + offset + size * r0 // rows)
+            if runs and runs[-1].format == fmt:  # the same format follows on: one run
                 last = runs[-1]
                 runs[-1] = Run(last.format, last.first, last.columns + rows, last.offset)
             else:
-                runs.append(Run(d.format, first, rows, offset))
+                runs.append(Run(fmt, first, rows, offset))
             first, offset = first + rows, offset + size
         assert first == out_features
         return PackedQuant(data, weight.shape, tuple(runs))
+
+    def _pack_rows(self, d: Decoded, address: int) -> None:
+        rows, width = d.q.shape
+        parts = (d.q, d.d, d.dm, d.sc, d.mk)
+        addresses = [None if part is None else part.ctypes.data for part in parts]
+        if self._lib.quant_pack(*d.format.key(), *addresses, address, rows, width) != 0:
+            raise ValueError(f"quant_pack declined a {d.format} segment of {rows} rows")
 
     def linear(self, x: torch.Tensor, packed: PackedQuant, threads: int) -> torch.Tensor:
         """x [T, in] float32 or bfloat16 @ the weight^T -> [T, out] in x's dtype."""
