@@ -30,9 +30,16 @@ from test_attention import (  # noqa: E402
     _free_blocks_outside_window,
     _make_case,
 )
+from test_engine_golden import _LONG, _greedy_reference, assert_matches_reference  # noqa: E402
 
+from pagekv import SamplingParams  # noqa: E402
+from pagekv.engine import LLMEngine  # noqa: E402
+from pagekv.engine.config import EngineConfig  # noqa: E402
 from pagekv.kernels import triton_attention  # noqa: E402
+from pagekv.llm import LLM  # noqa: E402
+from pagekv.models.loader import LoadedModel  # noqa: E402
 from pagekv.runner.attention import paged_attention_reference, write_kv  # noqa: E402
+from pagekv.runner.model_runner import AttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -115,27 +122,28 @@ def test_copy_on_write_then_diverge() -> None:
     num_blocks = 6
     gen = torch.Generator().manual_seed(3)
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = torch.full(shape, float("nan"))
-    v_cache = torch.full(shape, float("nan"))
-    k = torch.randn(prompt + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(prompt + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    k_cache = torch.full(shape, float("nan"), device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), device=DEVICE)
+    k = torch.randn(prompt + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    v = torch.randn(prompt + 1, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
     first = [4, 1]  # the prompt's two blocks
-    slots = torch.tensor([first[p // block_size] * block_size + p % block_size for p in range(13)])
-    triton_attention.write_kv(k_cache, v_cache, k[:prompt], v[:prompt], slots)
+    slots = [first[p // block_size] * block_size + p % block_size for p in range(prompt)]
+    triton_attention.write_kv(
+        k_cache, v_cache, k[:prompt], v[:prompt], torch.tensor(slots, device=DEVICE)
+    )
     # fork: the second shares block 4 and copies block 1 (copy-on-write) into block 2
     k_cache[2], v_cache[2] = k_cache[1], v_cache[1]
     second = [4, 2]
-    k_new = torch.randn(2, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    v_new = torch.randn(2, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    k_new = torch.randn(2, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    v_new = torch.randn(2, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
     offset = prompt % block_size
-    new_slots = torch.tensor([1 * block_size + offset, 2 * block_size + offset])
+    new_slots = torch.tensor([1 * block_size + offset, 2 * block_size + offset], device=DEVICE)
     triton_attention.write_kv(k_cache, v_cache, k_new, v_new, new_slots)
-    q = torch.randn(2, NUM_HEADS, HEAD_DIM, generator=gen)
-    tables = torch.tensor([first, second], dtype=torch.int32)
-    seq_lens = torch.tensor([prompt + 1] * 2, dtype=torch.int32)
-    out = triton_attention.paged_attention(
-        q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, 1, 2], dtype=torch.int32), 1, SCALE
-    )
+    q = torch.randn(2, NUM_HEADS, HEAD_DIM, generator=gen).to(DEVICE)
+    tables = torch.tensor([first, second], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([prompt + 1] * 2, dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    out = triton_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, 1, SCALE)
     for b in range(2):
         keys = torch.cat([k[:prompt], k_new[b : b + 1]]).repeat_interleave(3, 1)  # [S, H, D]
         values = torch.cat([v[:prompt], v_new[b : b + 1]]).repeat_interleave(3, 1)
@@ -149,12 +157,14 @@ def test_write_kv_matches_the_reference_and_skips_negative_slots(dtype: torch.dt
     rng = random.Random(5)
     shape = (7, 4, NUM_KV_HEADS, HEAD_DIM)
     slots = [*rng.sample(range(28), 10), -1, -1]
-    k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM)
-    v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM)
+    k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
+    v = torch.randn(len(slots), NUM_KV_HEADS, HEAD_DIM, device=DEVICE)
     # each cache behind a guard block: a write to slot -1 would land in the guard
-    buffers = [torch.zeros((shape[0] + 1, *shape[1:]), dtype=dtype) for _ in range(4)]
+    buffers = [
+        torch.zeros((shape[0] + 1, *shape[1:]), dtype=dtype, device=DEVICE) for _ in range(4)
+    ]
     caches = [b[1:] for b in buffers]
-    index = torch.tensor(slots)
+    index = torch.tensor(slots, device=DEVICE)
     triton_attention.write_kv(caches[0], caches[1], k, v, index)
     keep = index >= 0
     write_kv(caches[2], caches[3], k[keep], v[keep], index[keep])
@@ -164,7 +174,7 @@ def test_write_kv_matches_the_reference_and_skips_negative_slots(dtype: torch.dt
 
 def test_rejects_heads_that_do_not_fit() -> None:
     case = _make_case(1, 4, torch.float32)
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="does not fit"):  # checked before any launch
         triton_attention.paged_attention(
             case.q[:, :8],
             case.k_cache,
@@ -175,3 +185,30 @@ def test_rejects_heads_that_do_not_fit() -> None:
             case.meta.max_query_len,
             SCALE,
         )
+
+
+@pytest.mark.model
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU: test_cuda_engine.py")
+def test_engine_greedy_equals_transformers(loaded: LoadedModel, hf_model: object) -> None:
+    """The whole engine with the Triton attention (fp32; in the interpreter without a GPU):
+    chunked prefill (48 tokens a step) continuing through the cache, prefix-cache hits and
+    decode rows in one batch give transformers' greedy tokens."""
+    shared = loaded.tokenizer.encode(_LONG)[:40]
+    prompts = [shared + loaded.tokenizer.encode(t) for t in (" when", " of Gutenberg, who")]
+    prompts.append(loaded.tokenizer.encode("The capital of France is"))
+    config = EngineConfig(
+        block_size=16, num_kv_blocks=64, max_num_batched_tokens=48, check_invariants=True
+    )
+    engine = LLMEngine(config, loaded)
+    engine.runner.attention = AttentionBackend.TRITON
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = LLM.from_engine(engine).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    assert any(o.num_cached_tokens > 0 for o in outs)  # a prefix hit happened
+    for out, ids in zip(outs, prompts, strict=True):
+        ref = _greedy_reference(hf_model, ids, steps=8)  # type: ignore[arg-type]
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        assert_matches_reference(completion.token_ids, ref, logprobs)

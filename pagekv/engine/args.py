@@ -48,6 +48,18 @@ def _add_model_options(g: argparse._ArgumentGroup) -> None:
         "the matmul kernels), none dequantizes them to --dtype at load, auto (default) keeps "
         "them where the C kernels run",
     )
+    g.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="cpu (C kernels) or cuda (Triton kernels); auto (default): cuda when torch sees a GPU",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="on a GPU: the share of its memory the engine may use (weights, KV blocks)",
+    )
 
 
 def _add_kv_cache_options(g: argparse._ArgumentGroup, kv_cache_memory: str) -> None:

@@ -59,6 +59,8 @@ class EngineConfig:
     # dequantize them as they multiply), "none" dequantizes them to dtype at load, "auto"
     # keeps them where the C kernels run here.
     quantization: str = "auto"
+    device: str = "auto"  # "cpu" | "cuda" | "auto" (CUDA when torch sees a GPU): engine/device.py
+    gpu_memory_utilization: float = 0.9  # on a GPU: the share of its memory the engine may use
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -89,6 +91,18 @@ class EngineConfig:
     trace: str | None = None  # append each finished request's lengths + prefix hashes here
     kv_sanitizer: bool = False  # debug: fingerprint shared blocks, check them every step
 
+    def _check_device(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InvalidRequestError(
+                f"device must be auto, cpu or cuda, got {self.device!r}", "device"
+            )
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not 0 < utilization <= 1:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must be in (0, 1], got {utilization!r}",
+                "gpu_memory_utilization",
+            )
+
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise InvalidRequestError(
@@ -99,6 +113,7 @@ class EngineConfig:
                 f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}",
                 "quantization",
             )
+        self._check_device()
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise InvalidRequestError(
                 f"block_size must be >= 1, got {self.block_size!r}", "block_size"

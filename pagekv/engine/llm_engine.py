@@ -39,6 +39,7 @@ from pagekv.engine.config import (
     parse_bytes,
     uses_lower_tiers,
 )
+from pagekv.engine.device import gpu_kv_bytes, resolve_device
 from pagekv.engine.outputs import RequestOutput
 from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.engine.sanitizer import KVSanitizer
@@ -56,9 +57,10 @@ logger = logging.getLogger("pagekv")
 PromptInput = str | Sequence[int]
 
 
-def _load(config: EngineConfig, dtype: torch.dtype) -> LoadedModel:
-    """The configured model, its GGUF blocks kept quantized as ``config.quantization`` says."""
-    fast = quantized_kernels_available()
+def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """The configured model, its GGUF blocks kept quantized as ``config.quantization`` says
+    (on a GPU: dequantized to dtype)."""
+    fast = device.type == "cpu" and quantized_kernels_available()
     if config.quantization == "gguf":
         if config.model is not None and os.path.isdir(config.model):
             raise InvalidRequestError(
@@ -67,21 +69,25 @@ def _load(config: EngineConfig, dtype: torch.dtype) -> LoadedModel:
             )
         if not fast:
             raise InvalidRequestError(
-                "quantization 'gguf' needs the C kernels, which are off or unavailable here "
-                "(see the kernel build warning, PAGEKV_CPU_ISA and PAGEKV_FUSED_OPS); "
-                "use quantization 'none'",
+                "quantization 'gguf' needs the CPU's C kernels, which are off or unavailable "
+                "here (on a GPU, or see the kernel build warning, PAGEKV_CPU_ISA and "
+                "PAGEKV_FUSED_OPS); use quantization 'none'",
                 "quantization",
             )
     keep = config.quantization == "gguf" or (config.quantization == "auto" and fast)
     return load_model(config.model, dtype, keep_quantized=keep)
 
 
-def _num_kv_blocks(config: EngineConfig, block_bytes: int) -> int:
-    """Device KV blocks: the configured count, or as many as ``kv_cache_memory`` holds."""
-    num_blocks = (
-        config.num_kv_blocks
-        or parse_bytes(config.kv_cache_memory, "kv_cache_memory") // block_bytes
-    )
+def _num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
+    """Device KV blocks: the configured count, or as many as ``kv_cache_memory`` holds (on a
+    GPU: as many as ``gpu_memory_utilization`` leaves room for)."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        memory = gpu_kv_bytes(device, config.gpu_memory_utilization)
+    else:
+        memory = parse_bytes(config.kv_cache_memory, "kv_cache_memory")
+    num_blocks = memory // block_bytes
     if num_blocks < 1:
         raise InvalidRequestError("kv_cache_memory is smaller than one KV block", "kv_cache_memory")
     return num_blocks
@@ -114,7 +120,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
-        self.loaded = loaded if loaded is not None else _load(config, dtype)
+        device = resolve_device(config.device)
+        self.loaded = loaded if loaded is not None else _load(config, dtype, device)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = max_model_len(config, mcfg)
@@ -125,7 +132,9 @@ class LLMEngine:
             mcfg.head_dim,
             dtype,
         )
-        num_blocks = _num_kv_blocks(config, block_bytes)
+        if device.type != "cpu":
+            self.loaded.model.to(device)  # before the pool is sized from the memory left
+        num_blocks = _num_kv_blocks(config, block_bytes, device)
         num_host = host_pool_bytes(config) // block_bytes
         lower_tiers = uses_lower_tiers(config)
         store = open_configured_store(config)  # before anything big is allocated
@@ -139,8 +148,9 @@ class LLMEngine:
             sliding_window=mcfg.kv_window,
         )
         self.runner = ModelRunner(
-            self.loaded, num_blocks, config.block_size, num_host, num_threads=config.num_threads
-        )
+            self.loaded, num_blocks, config.block_size, num_host, num_threads=config.num_threads,
+            device=device,
+        )  # fmt: skip
         self.tiers: TierManager | None = None
         load_cost = LoadCostModel()
         if self.kv.tier_state.host_caching:

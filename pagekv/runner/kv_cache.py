@@ -37,6 +37,7 @@ class KVCache:
         dtype: torch.dtype,
         *,
         device: torch.device | str = "cpu",
+        pinned: bool = False,
     ) -> None:
         dims = {
             "num_layers": num_layers,
@@ -55,12 +56,15 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.pinned = pinned  # page-locked host memory (a GPU's host pool)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
         self.v: list[torch.Tensor] = [self._zeros(shape) for _ in range(num_layers)]
         # each [num_blocks, block_size, num_kv_heads, head_dim]
 
     def _zeros(self, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        if self.pinned:
+            return torch.zeros(shape, dtype=self.dtype, pin_memory=True)
         if self.device.type == "cpu":  # decode reads blocks all over the pool: 2 MiB pages
             return host_memory.zeros(shape, self.dtype)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -65,6 +65,8 @@ def quantized_kernels_available() -> bool:
 class AttentionBackend(enum.Enum):
     FAST = "fast"  # decode kernel + prefill kernel (bf16) or SDPA per chunk (fast_attention)
     REFERENCE = "reference"  # paged_attention_reference: the float32 correctness oracle
+    # kernels.triton_attention: the GPU runner's (on CPU tensors, in Triton's interpreter)
+    TRITON = "triton"
 
 
 class ModelRunner:
@@ -82,8 +84,9 @@ class ModelRunner:
         block_size: int,
         num_host_blocks: int = 0,
         *,
-        attention: AttentionBackend = AttentionBackend.FAST,
+        attention: AttentionBackend | None = None,  # None: FAST on the CPU, TRITON on a GPU
         num_threads: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if num_threads is not None:
             if num_threads < 1:
@@ -91,17 +94,23 @@ class ModelRunner:
             torch.set_num_threads(num_threads)
         host_memory.keep_freed_memory()  # process-wide too: steps reuse their activations' pages
         cfg = loaded.config
-        self.model = loaded.model
+        self.device = torch.device(device)
+        if attention is None:
+            on_cpu = self.device.type == "cpu"
+            attention = AttentionBackend.FAST if on_cpu else AttentionBackend.TRITON
+        if self.device.type != "cpu" and attention is not AttentionBackend.TRITON:
+            raise ValueError(f"the {attention.value} attention runs on the CPU only")
+        self.model = loaded.model.to(self.device)
         self.dtype = next(loaded.model.parameters(), torch.empty(0, dtype=torch.float32)).dtype
         if attention is AttentionBackend.FAST:
             self._speed_up_model()
-        else:  # the model may be shared with a fast runner built earlier
+        else:  # the model may be shared with a fast runner built earlier (or be on a GPU)
             self.model.use_layer_ops(TORCH_OPS)
         self.block_size = block_size
         shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = KVCache(shape[0], num_blocks, block_size, shape[2], shape[3], self.dtype)
-        self.host_kv = (
-            KVCache(shape[0], num_host_blocks, block_size, shape[2], shape[3], self.dtype)
+        self.kv = KVCache(*shape[:1], num_blocks, *shape[1:], self.dtype, device=self.device)
+        self.host_kv = (  # pinned beside a GPU: its copies to and from the device are async
+            KVCache(*shape[:1], num_host_blocks, *shape[1:], self.dtype, pinned=self.on_gpu)
             if num_host_blocks > 0
             else None
         )
@@ -185,7 +194,8 @@ class ModelRunner:
         if not plan.scheduled:
             return {}
         inputs = prepare_step(plan.scheduled, self.block_size)
-        hidden = self.model(inputs.input_ids, inputs.positions, self._attention_fn(inputs))
+        ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
+        hidden = self.model(ids, positions, self._attention_fn(inputs))
         sampling = [i for i, s in enumerate(inputs.order) if s.samples]  # rows of inputs.order
         if not sampling:
             return {}
@@ -201,14 +211,22 @@ class ModelRunner:
                 for j in range(num_drafts + 1)
             )
         # [S, vocab] in the model's dtype: the sampler widens to float32 only if it must
-        logits = self.model.compute_logits(hidden[torch.tensor(rows)], float32=False)
+        logits = self.model.compute_logits(
+            hidden[torch.tensor(rows, device=self.device)], float32=False
+        )
         out = self.sampler(logits, sampling_rows)
         return self._results(entries, out)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
 
     def _attention_fn(self, inputs: StepInputs) -> AttentionFn:
         """The per-layer attention: write this step's K/V into its slots, then attend. Layers
         with a sliding window or soft-capped scores take the reference attention (the C
         kernels attend to the whole history, uncapped), built once for the step."""
+        if self.attention is AttentionBackend.TRITON:
+            return self._triton_attention_fn(inputs)
         kv, slots, windows, softcap = self.kv, inputs.slot_mapping, self.windows, self.softcap
         reference_meta = functools.cache(lambda: reference_metadata(inputs, self.block_size))
         fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
@@ -224,6 +242,28 @@ class ModelRunner:
             return paged_attention_reference(
                 q, *caches, reference_meta(), self.scale, window=window, softcap=softcap
             )
+
+        return attend
+
+    def _triton_attention_fn(self, inputs: StepInputs) -> AttentionFn:
+        """The Triton kernels' attention: the step's metadata on the device once, then per
+        layer the slot write and the paged attention (windows and soft caps included)."""
+        from pagekv.kernels import triton_attention  # imports triton: only where it runs
+
+        meta = reference_metadata(inputs, self.block_size)
+        tables, seq_lens, starts = (
+            t.to(self.device, torch.int32)
+            for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        )
+        slots, kv = meta.slot_mapping.to(self.device), self.kv
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            caches = (kv.k[layer], kv.v[layer])
+            triton_attention.write_kv(*caches, k, v, slots)
+            return triton_attention.paged_attention(
+                q, *caches, tables, seq_lens, starts, meta.max_query_len, self.scale,
+                window=self.windows[layer], softcap=self.softcap,
+            )  # fmt: skip
 
         return attend
 
