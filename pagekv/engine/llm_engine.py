@@ -69,8 +69,8 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Loa
             )
         if not fast:
             raise InvalidRequestError(
-                "quantization 'gguf' needs the CPU's C kernels, which are off or unavailable "
-                "here (on a GPU, or see the kernel build warning, PAGEKV_CPU_ISA and "
+                "quantization 'gguf' needs the C kernels (CPU only), which are off or "
+                "unavailable here (see the kernel build warning, PAGEKV_CPU_ISA and "
                 "PAGEKV_FUSED_OPS); use quantization 'none'",
                 "quantization",
             )
