@@ -73,15 +73,21 @@ def reference_bf16(prompt_ids: list[list[int]], hf_model_bf16: Any) -> list[Refe
     return [_greedy_reference(hf_model_bf16, ids) for ids in prompt_ids]
 
 
-def agreeing_prefix(ours: list[int], ours_logprobs: list[float] | None, ref: Reference) -> int:
-    """How many leading tokens agree (each with a close logprob, when given); fails unless the
-    first disagreement is a near tie."""
+def agreeing_prefix(
+    ours: list[int],
+    ours_logprobs: list[float] | None,
+    ref: Reference,
+    tie_margin: float = BF16_TIE_MARGIN,
+    logprob_tol: float = BF16_LOGPROB_TOL,
+) -> int:
+    """How many leading tokens agree (each with a logprob within ``logprob_tol``, when given);
+    fails unless the first disagreement is a near tie (within ``tie_margin``)."""
     for j, (a, b) in enumerate(zip(ours, ref.tokens, strict=True)):
         if a == b and ours_logprobs is None:
             continue
         if a == b:
             ref_logprob = float(ref.logprobs[j, a])
-            assert abs(ours_logprobs[j] - ref_logprob) < BF16_LOGPROB_TOL, (
+            assert abs(ours_logprobs[j] - ref_logprob) < logprob_tol, (
                 f"token {j}: logprob {ours_logprobs[j]:.3f}, reference {ref_logprob:.3f}"
             )
             continue
@@ -90,7 +96,7 @@ def agreeing_prefix(ours: list[int], ours_logprobs: list[float] | None, ref: Ref
         # three happen (prompt 5, token 3: two tokens exactly level 0.125 below the best), and
         # topk's order among exactly equal logits means nothing.
         gap = float(ref.logprobs[j, b] - ref.logprobs[j, a])
-        assert gap < BF16_TIE_MARGIN, (
+        assert gap < tie_margin, (
             f"token {j}: ours {a} != reference {b}, {gap:.3f} below it in the reference"
         )
         return j

@@ -146,6 +146,48 @@ def test_bf16_batches_match_the_bf16_rounded_weights(ops: fused_ops.FusedOps, qt
         assert torch.equal(ops.linear(x[:rows].contiguous(), weight, packed, None), out[:rows])
 
 
+DOT_FORMATS = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K)  # 4- and 8-bit quants in groups of 32
+
+
+def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the int8 kernels round it (quant_dot.h), float64: per group of 32 inputs
+    q = round(x * (127 / max|x|)) (to even; each operation one float32 rounding, in numpy:
+    torch's scalar division may take another path), times the scale max|x| / 127."""
+    groups = x.float().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(groups * inverse), -127, 127)
+    return torch.from_numpy((q * (amax / np.float32(127))).reshape(x.shape)).double()
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_int8_activations_are_the_rounded_rows_product(ops: fused_ops.FusedOps, qtype: QT) -> None:
+    """Packed for int8 activations, the formats with dot products multiply each row rounded
+    to int8 groups: the float64 product of the rounded rows with the exact weights, to float32
+    rounding, and not the unrounded product; the other formats stay exact. A row's numbers do
+    not depend on its batch, float32 or bf16 activations."""
+    int8 = ops.with_int8_activations()
+    assert int8.with_int8_activations() is int8 and ops.with_int8_activations() is int8
+    weight = quantized([qtype], 64, seed=6)
+    packed = int8.pack(weight)
+    assert isinstance(packed, PackedQuant) and packed.dots
+    dense = torch.from_numpy(weight.dequantize())
+    x = torch.randn(37, WIDTH)
+    out = int8.linear(x, weight, packed, None)
+    dots = qtype in DOT_FORMATS
+    assert_float32_product(out, rounded_to_int8(x) if dots else x, dense)
+    exact = ops.linear(x, weight, ops.pack(weight), None)
+    assert torch.equal(out, exact) != dots
+    for rows in (1, 2, 5):
+        assert torch.equal(int8.linear(x[:rows].contiguous(), weight, packed, None), out[:rows])
+    xb = x[:9].bfloat16()
+    got = int8.linear(xb, weight, packed, None)
+    want = ((rounded_to_int8(xb) if dots else xb.double()) @ dense.double().T).bfloat16()
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - want.double()).abs().max() <= want.double().abs().max() / 64
+
+
 def test_rows_that_are_not_whole_stripes_are_not_packed(ops: fused_ops.FusedOps) -> None:
     weight = quantized([QT.Q8_0], ops.stripe_width + ops.stripe_width // 2)
     assert ops.pack(weight) is None
@@ -246,13 +288,16 @@ def test_a_type_without_a_kernel_is_dequantized_with_one_line(
     )
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 64])
 def test_layer_halves_in_one_call_are_the_ops_one_by_one(
-    ops: fused_ops.FusedOps, loaded_gguf: LoadedModel, dtype: torch.dtype, rows: int
+    ops: fused_ops.FusedOps, loaded_gguf: LoadedModel, dtype: torch.dtype, rows: int, int8: bool
 ) -> None:
     """A decode batch's two layer halves with the file's quantized weights in one C call each
-    (float32 or bf16 activations): exactly the bits of the same ops one by one."""
+    (float32 or bf16 activations, exact or rounded to int8): exactly the bits of the same ops
+    one by one."""
+    ops = ops.with_int8_activations() if int8 else ops
     layer = loaded_gguf.model.layers[3]
     cfg = loaded_gguf.config
 

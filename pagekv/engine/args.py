@@ -49,6 +49,15 @@ def _add_model_options(g: argparse._ArgumentGroup) -> None:
         "them where the C kernels run",
     )
     g.add_argument(
+        "--gguf-activations",
+        default="dtype",
+        choices=["dtype", "int8"],
+        help="what GGUF blocks kept quantized multiply: dtype (default) the activations as "
+        "they are, every weight exactly dequantized; int8 the activations rounded to int8 per "
+        "32 inputs and integer dot products, as llama.cpp (Q8_0, Q4_0, Q4_1, Q4_K; the "
+        "other formats stay exact)",
+    )
+    g.add_argument(
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagekv.core.scheduler import PreemptionCostModel, PreemptionMode, SchedulingPolicy
@@ -49,6 +50,7 @@ def parse_bytes(value: int | str, param: str) -> int:
 
 
 QUANTIZATION_MODES = ("auto", "gguf", "none")
+GGUF_ACTIVATIONS = ("dtype", "int8")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,10 @@ class EngineConfig:
     # dequantize them as they multiply), "none" dequantizes them to dtype at load, "auto"
     # keeps them where the C kernels run here.
     quantization: str = "auto"
+    # What GGUF blocks kept quantized multiply: "dtype" the activations as they are (every
+    # weight exactly dequantized), "int8" the activations rounded per 32 inputs and integer
+    # dot products (llama.cpp's Q8 blocks), for the formats that have them.
+    gguf_activations: str = "dtype"
     device: str = "auto"  # "cpu" | "cuda" | "auto" (CUDA when torch sees a GPU): engine/device.py
     gpu_memory_utilization: float = 0.9  # on a GPU: the share of its memory the engine may use
     block_size: int = 16
@@ -108,11 +114,8 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"dtype must be float32 or bfloat16, got {self.dtype!r}", "dtype"
             )
-        if self.quantization not in QUANTIZATION_MODES:
-            raise InvalidRequestError(
-                f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}",
-                "quantization",
-            )
+        _check_one_of("quantization", self.quantization, QUANTIZATION_MODES)
+        _check_one_of("gguf_activations", self.gguf_activations, GGUF_ACTIVATIONS)
         self._check_device()
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise InvalidRequestError(
@@ -140,18 +143,9 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"kv_store_timeout_s must be > 0, got {timeout!r}", "kv_store_timeout_s"
             )
-        modes = [m.value for m in PreemptionMode]
-        if self.preemption_mode not in modes:
-            raise InvalidRequestError(
-                f"preemption_mode must be one of {modes}, got {self.preemption_mode!r}",
-                "preemption_mode",
-            )
+        _check_one_of("preemption_mode", self.preemption_mode, [m.value for m in PreemptionMode])
         policies = [p.value for p in SchedulingPolicy]
-        if self.scheduling_policy not in policies:
-            raise InvalidRequestError(
-                f"scheduling_policy must be one of {policies}, got {self.scheduling_policy!r}",
-                "scheduling_policy",
-            )
+        _check_one_of("scheduling_policy", self.scheduling_policy, policies)
         if self.max_num_seqs < 1:
             raise InvalidRequestError(
                 f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}", "max_num_seqs"
@@ -160,6 +154,11 @@ class EngineConfig:
             raise InvalidRequestError(
                 "max_num_batched_tokens must be >= block_size", "max_num_batched_tokens"
             )
+
+
+def _check_one_of(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise InvalidRequestError(f"{name} must be one of {list(choices)}, got {value!r}", name)
 
 
 logger = logging.getLogger("pagekv")

@@ -149,7 +149,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size, num_host, num_threads=config.num_threads,
-            device=device,
+            device=device, int8_activations=config.gguf_activations == "int8",
         )  # fmt: skip
         self.tiers: TierManager | None = None
         load_cost = LoadCostModel()

@@ -30,6 +30,7 @@ only on whether its batch had up to 256 rows or more.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 from typing import Any
@@ -68,6 +69,18 @@ class FusedOps:
         self._quant_mlp_block = by_dtype(library, "mlp_block_quant")
         self.dense = DenseKernels(library)
         self.quant = QuantKernels(library, self.dense.stripe)
+        self.int8_activations = False  # GGUF weights packed for int8 dot products
+        self._int8_variant: FusedOps | None = None
+
+    def with_int8_activations(self) -> FusedOps:
+        """The same ops packing GGUF weights for int8 activations (``QuantKernels.pack``'s
+        ``dots``): one other object, so a model switched to it packs its weights again."""
+        if self.int8_activations:
+            return self
+        if self._int8_variant is None:
+            self._int8_variant = copy.copy(self)
+            self._int8_variant.int8_activations = True
+        return self._int8_variant
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -170,7 +183,7 @@ class FusedOps:
         otherwise ``layer_ops.pack`` (oneDNN's copy, or None). Tiles and stripes go into a
         tensor from ``allocate``."""
         if isinstance(weight, QuantizedWeight):
-            return self.quant.pack(weight, allocate)
+            return self.quant.pack(weight, allocate, self.int8_activations)
         return self.dense.pack(weight, allocate)
 
     def linear(

@@ -41,17 +41,21 @@ _AVX2 = ("avx2", "fma", "f16c", "bmi2")
 # the machine that runs them): the same tuning -march=native gave.
 _TUNE = ("-mtune=native",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
+# Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later) has the
+# int8 dot products of AVX512-VNNI too.
+_BF16 = ("avx512_bf16", "avx512_vnni")
+_BF16_FLAGS = ("-mavx512bf16", "-mavx512vnni")
 
 # Lesser to greater; each needs what the ones before it need (but generic).
 TARGETS: tuple[Target, ...] = (
     Target("generic", (), (), x86_only=False),  # the compiler's default instruction set
     Target("avx2", ("-march=x86-64-v3", *_TUNE), _AVX2),
     Target("avx512", ("-march=x86-64-v4", *_TUNE), _AVX512),
-    Target("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", *_TUNE), (*_AVX512, "avx512_bf16")),
+    Target("avx512bf16", ("-march=x86-64-v4", *_BF16_FLAGS, *_TUNE), (*_AVX512, *_BF16)),
     Target(
         "amx",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", *_TUNE),
-        (*_AVX512, "avx512_bf16", "amx_tile", "amx_bf16"),
+        ("-march=x86-64-v4", *_BF16_FLAGS, "-mamx-tile", "-mamx-bf16", *_TUNE),
+        (*_AVX512, *_BF16, "amx_tile", "amx_bf16"),
     ),
 )
 BY_NAME = {t.name: t for t in TARGETS}

@@ -5,7 +5,10 @@ Owns ``PackedQuant``, one weight's stripes in runs of one format each (the segme
 projection; adjacent segments of one format are one run, their stripes simply following each
 other), and the calls that take it. Each weight is exactly gguf's dequantized value (quant.h
 says why), every output one float32 chain of FMAs, k ascending, whatever the batch: the
-stripes' contract (``fused_ops``).
+stripes' contract (``fused_ops``). A weight packed with ``dots`` multiplies activations rounded
+to int8 per 32 inputs by integer dot products where its format has them (Q8_0, Q4_0, Q4_1,
+Q4_K: ``csrc/quant_dot.h``), llama.cpp's numbers rather than the exact ones; a row's output
+still does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class PackedQuant(layer_ops.OpsLayout):
     data: torch.Tensor  # uint8
     shape: tuple[int, int]
     runs: tuple[Run, ...]
+    dots: bool = False  # int8 activations where a run's format has dot products
 
     @property
     def nbytes(self) -> int:
@@ -56,8 +60,9 @@ class PackedQuant(layer_ops.OpsLayout):
     @functools.cached_property
     def runs_table(self) -> np.ndarray:
         """The runs as the C layer halves read them: [count, then per run bits, group,
-        superblock, offsets, zero, first column, columns, byte offset], int64."""
-        rows = [(*r.format.key(), r.first, r.columns, r.offset) for r in self.runs]
+        superblock, offsets, zero, first column, columns, byte offset, dots], int64."""
+        dots = int(self.dots)
+        rows = [(*r.format.key(), r.first, r.columns, r.offset, dots) for r in self.runs]
         return np.array([len(rows), *(v for row in rows for v in row)], dtype=np.int64)
 
     @functools.cached_property
@@ -67,7 +72,7 @@ class PackedQuant(layer_ops.OpsLayout):
         return self.runs_table.ctypes.data, self.data.data_ptr()
 
     def describe(self) -> str:
-        return "gguf stripes"
+        return "gguf stripes, int8 activations" if self.dots else "gguf stripes"
 
 
 class QuantKernels:
@@ -79,11 +84,15 @@ class QuantKernels:
         self._linear = by_dtype(library, "quant_linear")
 
     def pack(
-        self, weight: QuantizedWeight, allocate: layer_ops.Allocate = layer_ops.torch_empty
+        self,
+        weight: QuantizedWeight,
+        allocate: layer_ops.Allocate = layer_ops.torch_empty,
+        dots: bool = False,
     ) -> PackedQuant | None:
         """The weight in stripes, or None where a segment's rows are not whole stripes. Each
         segment is decoded and packed PACK_CHUNK_ROWS rows at a time, so the decoded form of a
-        large weight (the embedding) is never whole in memory beside its stripes."""
+        large weight (the embedding) is never whole in memory beside its stripes. ``dots``:
+        its matmuls round the activations to int8 where the format has dot products."""
         out_features, width = weight.shape
         if any(s.rows % self.stripe for s in weight.segments):
             return None
@@ -109,7 +118,7 @@ class QuantKernels:
                 runs.append(Run(fmt, first, rows, offset))
             first, offset = first + rows, offset + size
         assert first == out_features
-        return PackedQuant(data, weight.shape, tuple(runs))
+        return PackedQuant(data, weight.shape, tuple(runs), dots)
 
     def _pack_rows(self, d: Decoded, address: int) -> None:
         rows, width = d.q.shape
@@ -130,6 +139,7 @@ class QuantKernels:
         for run in packed.runs:
             status = fn(
                 *run.format.key(),
+                int(packed.dots),
                 x.data_ptr(),
                 base + run.offset,
                 out.data_ptr() + run.first * size,

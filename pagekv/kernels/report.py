@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pagekv.kernels import build, isa
+from pagekv.kernels.quant import PackedQuant
 from pagekv.models.layer_ops import OpsLayout, Packed
 from pagekv.models.llama import LlamaForCausalLM
 
@@ -67,15 +68,17 @@ def describe_weights(model: LlamaForCausalLM) -> dict[str, str]:
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
     types: Counter[str] = Counter()
-    blocks = 0
+    blocks, dots = 0, False
     for name, weight in model.quantized_weights():
         types.update(s.qtype.name for s in weight.segments)
         blocks += weight.nbytes
         packed = model.packed_weight_named(name)
         resident += packed.nbytes if isinstance(packed, OpsLayout) else weight.nbytes
+        dots = dots or (isinstance(packed, PackedQuant) and packed.dots)
     if not types:
         return {"weights": dtype, "weight_bytes": str(resident)}
     kept = " + ".join(f"{t} x{n}" for t, n in sorted(types.items()))
+    kept += ", int8 activations" if dots else ""
     return {"weights": f"GGUF {kept}", "weight_bytes": str(resident), "gguf_bytes": str(blocks)}
 
 

@@ -87,6 +87,7 @@ class ModelRunner:
         attention: AttentionBackend | None = None,  # None: FAST on the CPU, TRITON on a GPU
         num_threads: int | None = None,
         device: torch.device | str = "cpu",
+        int8_activations: bool = False,  # GGUF blocks against int8 rows (FusedOps')
     ) -> None:
         if num_threads is not None:
             if num_threads < 1:
@@ -103,7 +104,7 @@ class ModelRunner:
         self.model = loaded.model.to(self.device)
         self.dtype = next(loaded.model.parameters(), torch.empty(0, dtype=torch.float32)).dtype
         if attention is AttentionBackend.FAST:
-            self._speed_up_model()
+            self._speed_up_model(int8_activations)
         else:  # the model may be shared with a fast runner built earlier (or be on a GPU)
             self.model.use_layer_ops(TORCH_OPS)
         self.block_size = block_size
@@ -134,9 +135,12 @@ class ModelRunner:
         info = report.describe(target, self.dtype, self.kernel, self.prefill_kernel, ops, first)
         return {**info, **report.describe_weights(self.model)}
 
-    def _speed_up_model(self) -> None:
-        """The fast path's changes to the model: speed only, numbers within a bf16 ulp."""
+    def _speed_up_model(self, int8_activations: bool) -> None:
+        """The fast path's changes to the model: speed only, numbers within a bf16 ulp (with
+        ``int8_activations``, GGUF blocks multiply rows rounded to int8)."""
         ops = fused_ops.load()  # None when disabled (PAGEKV_FUSED_OPS=0) or unavailable
+        if ops is not None and int8_activations:
+            ops = ops.with_int8_activations()
         if ops is not None and ops.supports(self.dtype):
             self.model.use_layer_ops(ops)  # norms, RoPE, SiLU*up: one C call each
         else:

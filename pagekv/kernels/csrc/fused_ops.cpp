@@ -324,7 +324,7 @@ extern "C" int tiles_linear_unit() { return 0; }
 
 // The matmuls through stripes (stripes.h): dense float32 and bfloat16 weights, and GGUF's
 // quantized ones (quant.h); activations float32 or bfloat16, the weights' type for dense ones.
-#include "quant.h"
+#include "quant_dot.h"
 
 int stripes_width() { return STRIPE; }
 void stripes_pack_f32(const void* w, void* packed, long N, long K) {
@@ -432,12 +432,19 @@ static bool quant_tiles_fit(long M, long K, long N) {
 }
 #endif
 
+// `dots`: int8 activations and integer dot products (quant_dot.h) where the format has them.
 template <typename XT>
-static int quant_linear(int bits, int group, int superblock, int offsets, int zero,
+static int quant_linear(int bits, int group, int superblock, int offsets, int zero, int dots,
                         const XT* x, const void* packed, XT* out, long M, long K, long N,
                         long ldo, int threads) {
     if (superblock <= 0 || K % superblock != 0) return -1;
     return with_quant_format(bits, group, superblock, offsets, zero, [&](auto f) {
+        using F = decltype(f);
+        if constexpr (has_dots<F>())
+            if (dots)
+                return quant_dot_matmul(as_f32(x, M * K, threads),
+                                        QuantStripes<F>{(const uint8_t*)packed, K}, out, M, K,
+                                        N, ldo, threads);
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same<XT, uint16_t>::value)
             if (quant_tiles_fit(M, K, N)) {
@@ -450,17 +457,17 @@ static int quant_linear(int bits, int group, int superblock, int offsets, int ze
         return stripes_matmul(x, stripes, out, M, K, N, ldo, threads);
     });
 }
-int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero, const void* x,
-                     const void* packed, void* out, long M, long K, long N, long ldo,
-                     int threads) {
-    return quant_linear(bits, group, superblock, offsets, zero, (const float*)x, packed,
+int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero, int dots,
+                     const void* x, const void* packed, void* out, long M, long K, long N,
+                     long ldo, int threads) {
+    return quant_linear(bits, group, superblock, offsets, zero, dots, (const float*)x, packed,
                         (float*)out, M, K, N, ldo, threads);
 }
-int quant_linear_bf16(int bits, int group, int superblock, int offsets, int zero, const void* x,
-                      const void* packed, void* out, long M, long K, long N, long ldo,
-                      int threads) {
-    return quant_linear(bits, group, superblock, offsets, zero, (const uint16_t*)x, packed,
-                        (uint16_t*)out, M, K, N, ldo, threads);
+int quant_linear_bf16(int bits, int group, int superblock, int offsets, int zero, int dots,
+                      const void* x, const void* packed, void* out, long M, long K, long N,
+                      long ldo, int threads) {
+    return quant_linear(bits, group, superblock, offsets, zero, dots, (const uint16_t*)x,
+                        packed, (uint16_t*)out, M, K, N, ldo, threads);
 }
 
 #define ENTRIES(SUFFIX, T)                                                                    \
@@ -517,14 +524,16 @@ struct DenseDecodeMatmul {
 };
 
 // A GGUF weight in quantized stripes: `runs` is [count, then per run bits, group, superblock,
-// offsets, zero, first column, columns, byte offset] (kernels/quant.py's PackedQuant.runs).
+// offsets, zero, first column, columns, byte offset, dots] (kernels/quant.py's
+// PackedQuant.runs_table).
 struct QuantDecodeMatmul {
+    static const long RUN_LONGS = 9;
     const long* runs;
     const uint8_t* packed;
     bool fits(long M, long K, long N) const {
         long columns = 0;
         for (long r = 0; r < runs[0]; ++r) {
-            const long* d = runs + 1 + 8 * r;
+            const long* d = runs + 1 + RUN_LONGS * r;
             const int ok = with_quant_format(int(d[0]), int(d[1]), int(d[2]), int(d[3]),
                                              int(d[4]), [](auto) { return 0; });
             if (ok != 0 || d[5] != columns || d[6] % STRIPE != 0 || K % d[2] != 0) return false;
@@ -535,8 +544,8 @@ struct QuantDecodeMatmul {
     template <typename T>
     void operator()(const T* x, T* out, long M, long K, long N, int threads) const {
         for (long r = 0; r < runs[0]; ++r) {
-            const long* d = runs + 1 + 8 * r;
-            quant_linear(int(d[0]), int(d[1]), int(d[2]), int(d[3]), int(d[4]), x,
+            const long* d = runs + 1 + RUN_LONGS * r;
+            quant_linear(int(d[0]), int(d[1]), int(d[2]), int(d[3]), int(d[4]), int(d[8]), x,
                          packed + d[7], out + d[5], M, K, d[6], N, threads);
         }
     }

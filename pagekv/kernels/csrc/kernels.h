@@ -97,8 +97,9 @@ int stripes_linear_bf16(const void* x, const void* packed, void* out, long M, lo
 // GGUF-quantized weights in stripes, dequantized in registers. A format is (bits, group,
 // superblock, offsets, zero) as quant.h describes it; -1 (or bytes -1) for one it lacks.
 // quant_pack takes the decoded form (pagekv/models/quantized.py); quant_linear_*: out [M, N],
-// row stride ldo >= N (a slice of a wider output), activations float32 or bfloat16;
-// quant_columns: columns `ids` of the weight, float32 [n, K].
+// row stride ldo >= N (a slice of a wider output), activations float32 or bfloat16, with
+// `dots` rounded to int8 and multiplied by integer dot products where the format has them
+// (quant_dot.h); quant_columns: columns `ids` of the weight, float32 [n, K].
 long quant_packed_bytes(int bits, int group, int superblock, int offsets, int zero, long N,
                         long K);
 int quant_pack(int bits, int group, int superblock, int offsets, int zero, const uint8_t* q,
@@ -106,12 +107,12 @@ int quant_pack(int bits, int group, int superblock, int offsets, int zero, const
                void* packed, long N, long K);
 int quant_columns(int bits, int group, int superblock, int offsets, int zero,
                   const void* packed, const int64_t* ids, long n, float* out, long K);
-int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero, const void* x,
-                     const void* packed, void* out, long M, long K, long N, long ldo,
-                     int threads);
-int quant_linear_bf16(int bits, int group, int superblock, int offsets, int zero, const void* x,
-                      const void* packed, void* out, long M, long K, long N, long ldo,
-                      int threads);
+int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero, int dots,
+                     const void* x, const void* packed, void* out, long M, long K, long N,
+                     long ldo, int threads);
+int quant_linear_bf16(int bits, int group, int superblock, int offsets, int zero, int dots,
+                      const void* x, const void* packed, void* out, long M, long K, long N,
+                      long ldo, int threads);
 // A decode layer's two halves around attention, bfloat16, in one call each (-1: declined).
 int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
                           const void* t_qkv, const float* cos, const float* sin, void* q,
@@ -121,7 +122,7 @@ int mlp_block_bf16(const void* attn, void* residual, const void* t_o, const void
                    float eps, const void* t_gate_up, const void* t_down, void* out, long M,
                    long hidden, long q_size, long inter, int unit, int threads);
 // The same halves with GGUF weights in quantized stripes, float32 or bfloat16 activations:
-// each matmul its runs ([count, then 8 longs a run], see fused_ops.cpp) and its stripes.
+// each matmul its runs ([count, then 9 longs a run], see fused_ops.cpp) and its stripes.
 int attention_inputs_quant_f32(const void* x, void* residual, const void* norm, float eps,
                                const long* qkv_runs, const void* qkv, const float* cos,
                                const float* sin, void* q, void* k, void* v, long M, long hidden,
