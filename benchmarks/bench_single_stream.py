@@ -2,6 +2,7 @@
 
     python benchmarks/bench_single_stream.py [--targets avx2,avx512bf16] [--dtypes float32,bfloat16]
                                              [--quantization gguf,none] [--prompt-tokens 256]
+                                             [--gguf-activations dtype,int8]
                                              [--new-tokens 128] [--rounds 3] [--model GGUF]
                                              [--num-threads N] [--llama-bench]
 
@@ -12,7 +13,8 @@ at 256-384 tokens of context by default; prefill is reported apart. Each (target
 its own engine; rounds alternate over them so the machine's drift hits all alike, and each
 figure is the median over rounds. ``--targets`` defaults to every kernel target this CPU runs;
 ``--quantization`` gguf keeps the GGUF file's quant blocks (dequantized in the matmul kernels),
-none dequantizes them to the dtype at load.
+none dequantizes them to the dtype at load; ``--gguf-activations`` int8 rounds the activations
+the GGUF blocks multiply to int8 (integer dot products, as llama.cpp).
 
 ``--llama-bench`` adds llama.cpp's ``llama-bench`` (benchmarks/setup_llama_cpp.sh) on the same
 GGUF with ``-t`` = torch's thread count (the engines': ``--num-threads``, else torch's default),
@@ -98,6 +100,9 @@ def main() -> None:
     parser.add_argument("--targets", default=",".join(isa.runnable()))
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--quantization", default="gguf,none")
+    parser.add_argument(
+        "--gguf-activations", default="dtype", help="with GGUF blocks: dtype and/or int8"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
@@ -113,24 +118,30 @@ def main() -> None:
     if args.llama_bench and not (LLAMA_CPP_BIN / "llama-bench").exists():
         raise SystemExit(f"{LLAMA_CPP_BIN / 'llama-bench'} missing: run setup_llama_cpp.sh")
     prompt = [(17 + 31 * i) % 40000 + 100 for i in range(args.prompt_tokens)]
-    engines: dict[tuple[str, str, str], LLMEngine] = {}
-    for target, dtype, quantization in itertools.product(
-        args.targets.split(","), args.dtypes.split(","), args.quantization.split(",")
+    engines: dict[tuple[str, str, str, str], LLMEngine] = {}
+    for target, dtype, quantization, activations in itertools.product(
+        args.targets.split(","),
+        args.dtypes.split(","),
+        args.quantization.split(","),
+        args.gguf_activations.split(","),
     ):
+        if quantization == "none" and activations != "dtype":
+            continue  # dequantized weights multiply the activations as they are
         os.environ[isa.ISA_ENV] = target  # read as the runner loads its kernels
         config = EngineConfig(
             model=model,
             dtype=dtype,
             quantization=quantization,
+            gguf_activations=activations,
             enable_prefix_caching=False,
             num_threads=args.num_threads,
         )
         engine = LLMEngine(config)
         print(engine.system_line, file=sys.stderr)
         one_request(engine, prompt, 8)  # warm-up
-        engines[(target, dtype, quantization)] = engine
+        engines[(target, dtype, quantization, activations)] = engine
     threads = torch.get_num_threads()  # the engines' (EngineConfig.num_threads sets it)
-    results: dict[tuple[str, str, str], list[tuple[float, float]]] = {k: [] for k in engines}
+    results: dict[tuple[str, ...], list[tuple[float, float]]] = {k: [] for k in engines}
     llama: list[tuple[float, float]] = []
     for _ in range(args.rounds):
         for key, engine in engines.items():
@@ -146,10 +157,11 @@ def main() -> None:
     ratio_head = " decode / llama.cpp |" if llama else ""
     print(f"| target | dtype | weights | decode tok/s | prefill s |{ratio_head}")
     print("| --- | --- | --- | --- | --- |" + (" --- |" if llama else ""))
-    for (target, dtype, quantization), runs in results.items():
+    for (target, dtype, quantization, activations), runs in results.items():
         decode = statistics.median(r[1] for r in runs)
         prefill = statistics.median(r[0] for r in runs)
         weights = "GGUF blocks" if quantization == "gguf" else f"{dtype} (dequantized)"
+        weights += ", int8 activations" if activations == "int8" else ""
         ratio = f" {decode / llama_decode:.2f}x |" if llama_decode else ""
         print(f"| {target} | {dtype} | {weights} | {decode:.1f} | {prefill:.3f} |{ratio}")
     if llama_decode:
