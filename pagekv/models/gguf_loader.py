@@ -18,7 +18,13 @@ import torch
 from pagekv.errors import ModelLoadError
 from pagekv.models.config import ModelConfig, freeze_rope_scaling
 from pagekv.models.gguf_file import GGUFFile, GGUFTensorInfo
-from pagekv.models.quantized import FORMATS, QUANT_ROW_MULTIPLE, QuantizedWeight, Segment
+from pagekv.models.quantized import (
+    FORMATS,
+    QUANT_ROW_MULTIPLE,
+    QuantizedWeight,
+    Segment,
+    drop_array_pages,
+)
 from pagekv.models.registry import gguf_architecture
 
 # The tensors that are matmul weights (llama.cpp's names; token_embd is the tied LM head).
@@ -158,7 +164,8 @@ def gguf_weights(
         if keep_quantized and keeps_quantized(info):
             blocks = gguf.blocks(name)
             if permuted:  # whole rows move: a block never spans two
-                blocks = unpermute_rope_rows(blocks, heads_of[kind])
+                source, blocks = blocks, unpermute_rope_rows(blocks, heads_of[kind])
+                drop_array_pages(source)  # a copy holds them now: the file's pages can go
             segment = Segment(info.qtype, blocks)
             yield target, QuantizedWeight((info.shape[0], info.shape[1]), (segment,))
             continue

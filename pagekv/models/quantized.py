@@ -270,21 +270,22 @@ def drop_file_pages(weights: Sequence[QuantizedWeight]) -> int:
     these weights' blocks, once packed copies serve the matmuls: the pages read while packing
     stay resident otherwise. They are read back from the file (the page cache) if the blocks
     are used again (embedding rows, an unpacked model). Returns the bytes dropped."""
+    return sum(drop_array_pages(s.blocks) for w in weights for s in w.segments)
+
+
+def drop_array_pages(blocks: np.ndarray) -> int:
+    """``drop_file_pages`` for one array: the whole pages of a file mapping it alone covers
+    (none for an array of the process's own memory). Returns the bytes dropped."""
     advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None:
+    root = blocks
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if advice is None or not isinstance(root.base, mmap.mmap):
+        return 0  # blocks of the process's own memory (a copy, a test's array)
+    offset = blocks.ctypes.data - root.ctypes.data
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside only
+    end = (offset + blocks.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end <= start:
         return 0
-    dropped = 0
-    for weight in weights:
-        for segment in weight.segments:
-            blocks, root = segment.blocks, segment.blocks
-            while isinstance(root.base, np.ndarray):
-                root = root.base
-            if not isinstance(root.base, mmap.mmap):
-                continue  # blocks of the process's own memory (a copy, a test's array)
-            offset = blocks.ctypes.data - root.ctypes.data
-            start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside only
-            end = (offset + blocks.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > start:
-                root.base.madvise(advice, start, end - start)
-                dropped += end - start
-    return dropped
+    root.base.madvise(advice, start, end - start)
+    return end - start
