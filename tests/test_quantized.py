@@ -255,6 +255,9 @@ def test_bad_quantization_values_are_refused(tmp_path: object) -> None:
     with pytest.raises(InvalidRequestError) as err:
         EngineConfig(quantization="int4")
     assert err.value.param == "quantization"
+    with pytest.raises(InvalidRequestError) as err:
+        EngineConfig(gguf_activations="int4")
+    assert err.value.param == "gguf_activations" and "['dtype', 'int8']" in str(err.value)
     with pytest.raises(InvalidRequestError, match="needs a GGUF file"):
         LLMEngine(EngineConfig(model=str(tmp_path), quantization="gguf"))
 
