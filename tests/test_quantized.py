@@ -258,6 +258,10 @@ def test_bad_quantization_values_are_refused(tmp_path: object) -> None:
     with pytest.raises(InvalidRequestError) as err:
         EngineConfig(gguf_activations="int4")
     assert err.value.param == "gguf_activations" and "['dtype', 'int8']" in str(err.value)
+    for settings in ({"quantization": "none"}, {"model": str(tmp_path)}):
+        with pytest.raises(InvalidRequestError) as err:  # nothing would round to int8
+            LLMEngine(EngineConfig(gguf_activations="int8", **settings))  # type: ignore[arg-type]
+        assert err.value.param == "gguf_activations"
     with pytest.raises(InvalidRequestError, match="needs a GGUF file"):
         LLMEngine(EngineConfig(model=str(tmp_path), quantization="gguf"))
 

@@ -75,6 +75,13 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Loa
                 "quantization",
             )
     keep = config.quantization == "gguf" or (config.quantization == "auto" and fast)
+    directory = config.model is not None and os.path.isdir(config.model)
+    if config.gguf_activations == "int8" and (directory or not keep):
+        raise InvalidRequestError(
+            "gguf_activations 'int8' needs a GGUF file's blocks kept quantized (quantization "
+            "'gguf', or 'auto' where the C kernels run)",
+            "gguf_activations",
+        )
     return load_model(config.model, dtype, keep_quantized=keep)
 
 
