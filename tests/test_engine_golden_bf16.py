@@ -103,6 +103,24 @@ def agreeing_prefix(
     return len(ours)
 
 
+def agreed_tokens(
+    outs: list[Any],
+    refs: list[Reference],
+    tie_margin: float = BF16_TIE_MARGIN,
+    logprob_tol: float = BF16_LOGPROB_TOL,
+) -> int:
+    """``agreeing_prefix`` summed over the completions (each NUM_NEW_TOKENS long, with the
+    logprob of every token) against their references."""
+    agreed = 0
+    for out, ref in zip(outs, refs, strict=True):
+        completion = out.outputs[0]
+        tokens = completion.token_ids
+        assert len(tokens) == NUM_NEW_TOKENS and completion.logprobs is not None
+        logprobs = [completion.logprobs[j][t] for j, t in enumerate(tokens)]
+        agreed += agreeing_prefix(tokens, logprobs, ref, tie_margin, logprob_tol)
+    return agreed
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_bf16_greedy_near_transformers_bf16(
     loaded_bf16: LoadedModel,
@@ -130,13 +148,7 @@ def test_bf16_greedy_near_transformers_bf16(
     assert llm.engine.runner.attention is AttentionBackend.FAST
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    agreed = 0
-    for out, ref in zip(outs, reference_bf16, strict=True):
-        completion = out.outputs[0]
-        tokens = completion.token_ids
-        assert len(tokens) == NUM_NEW_TOKENS and completion.logprobs is not None
-        logprobs = [completion.logprobs[j][t] for j, t in enumerate(tokens)]
-        agreed += agreeing_prefix(tokens, logprobs, ref)
+    agreed = agreed_tokens(outs, reference_bf16)
     total = NUM_NEW_TOKENS * len(prompt_ids)
     print(f"bf16 golden, block {block_size}: {agreed}/{total} tokens agree before a near tie")
     assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"
@@ -161,12 +173,7 @@ def test_bf16_with_gguf_weights_near_transformers_bf16(
     assert llm.engine.runner.kernels["weights"].startswith("GGUF")
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    agreed = 0
-    for out, ref in zip(outs, reference_bf16, strict=True):
-        completion = out.outputs[0]
-        assert completion.logprobs is not None
-        logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
-        agreed += agreeing_prefix(completion.token_ids, logprobs, ref)
+    agreed = agreed_tokens(outs, reference_bf16)
     total = NUM_NEW_TOKENS * len(prompt_ids)
     print(f"bf16 golden with GGUF weights: {agreed}/{total} tokens agree before a near tie")
     assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"

@@ -62,15 +62,21 @@ def mixed(mixed_path: str) -> LoadedModel:
     return load_model(mixed_path, keep_quantized=True)
 
 
-@pytest.fixture(scope="module")
-def mixed_reference(mixed_path: str, mixed: LoadedModel) -> list[Any]:
+def file_reference(gguf_file: str, loaded: LoadedModel, prompts: list[str]) -> list[Any]:
+    """transformers' float32 greedy runs of ``prompts`` on a GGUF file (``loaded``: its
+    tokenizer)."""
     import transformers
 
-    path = Path(mixed_path)
+    path = Path(gguf_file)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype="float32"
     ).eval()
-    return [_greedy_reference(model, mixed.tokenizer.encode(p)) for p in PROMPTS]
+    return [_greedy_reference(model, loaded.tokenizer.encode(p)) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(mixed_path: str, mixed: LoadedModel) -> list[Any]:
+    return file_reference(mixed_path, mixed, PROMPTS)
 
 
 def test_the_file_has_every_quantized_type(mixed: LoadedModel) -> None:

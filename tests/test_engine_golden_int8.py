@@ -13,15 +13,14 @@ weights.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from gguf.constants import GGMLQuantizationType as QT
 from gguf_requantize import requantize
-from test_engine_golden import NUM_NEW_TOKENS, PROMPTS, Reference, _greedy_reference
-from test_engine_golden_bf16 import agreeing_prefix
+from test_engine_golden import NUM_NEW_TOKENS, PROMPTS, Reference
+from test_engine_golden_bf16 import agreed_tokens
+from test_engine_golden_gguf import file_reference
 
 from pagekv import SamplingParams
 from pagekv.core.invariants import check_no_leak
@@ -68,13 +67,7 @@ def own_model(gguf_file: str) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def reference_f32(gguf_file: str, own_model: LoadedModel) -> list[Reference]:
-    import transformers
-
-    path = Path(gguf_file)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return [_greedy_reference(model, own_model.tokenizer.encode(p)) for p in PROMPTS]
+    return file_reference(gguf_file, own_model, PROMPTS)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -97,14 +90,7 @@ def test_int8_greedy_near_transformers_float32(
     ids = [own_model.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
-    agreed = 0
-    for out, ref in zip(outs, reference_f32, strict=True):
-        completion = out.outputs[0]
-        assert completion.logprobs is not None
-        logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
-        agreed += agreeing_prefix(
-            completion.token_ids, logprobs, ref, INT8_TIE_MARGIN, INT8_LOGPROB_TOL
-        )
+    agreed = agreed_tokens(outs, reference_f32, INT8_TIE_MARGIN, INT8_LOGPROB_TOL)
     total = NUM_NEW_TOKENS * len(PROMPTS)
     print(f"int8 golden, block {block_size}: {agreed}/{total} tokens agree before a near tie")
     assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"
