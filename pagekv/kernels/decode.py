@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pagekv.kernels import build
+from pagekv.models.layer_ops import NativeAttention
 
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
 
@@ -91,12 +92,63 @@ class DecodeBatch:
         return DecodeBatch(tables, seq_lens, self.max_seq_len, 0, None, self.num_queries)
 
 
+class _StepAttention(ctypes.Structure):
+    """decode.cpp's StepAttention, field by field."""
+
+    _fields_ = [
+        ("caches", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("seq_lens", ctypes.c_void_p),
+        ("num_slots", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int32),
+        ("table_stride", ctypes.c_int32),
+        ("num_heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("max_seq_len", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("bf16", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
+
+
+@dataclass(frozen=True)
+class CacheAddresses:
+    """Every layer's K and V caches as ``step_attention`` reaches them: int64 [layers, 2]
+    addresses, and the first layer's pair, whose shape, dtype and layout all share. Made once
+    for a pool's tensors, which never move (``of``)."""
+
+    table: torch.Tensor
+    first: tuple[torch.Tensor, torch.Tensor]
+
+    @staticmethod
+    def of(caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CacheAddresses | None:
+        """None where the layers' caches differ in shape or dtype, or one is not contiguous."""
+        if not caches:
+            return None
+        k0 = caches[0][0]
+        for k, v in caches:
+            if not (
+                k.shape == v.shape == k0.shape
+                and k.dtype == v.dtype == k0.dtype
+                and k.is_contiguous()
+                and v.is_contiguous()
+            ):
+                return None
+        table = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in caches], dtype=torch.int64)
+        return CacheAddresses(table, caches[0])
+
+
 class DecodeKernel:
     """The loaded library. ``supports`` says which (cache dtype, head dim) pairs it has."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._functions = {key: getattr(library, name) for key, name in _ENTRIES.items()}
         self._write_rows = library.write_rows
+        self._step_attention = ctypes.cast(library.step_attention, ctypes.c_void_p).value or 0
         self._argmax_bf16 = library.argmax_bf16_rows
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -139,6 +191,53 @@ class DecodeKernel:
         if self._write_rows(*(t.data_ptr() for t in args), tokens, row_bytes, num_slots) != 0:
             raise ValueError(f"KV write: a slot outside the cache's {num_slots} slots")
         return True
+
+    def step_attention(
+        self,
+        caches: CacheAddresses,
+        slot_mapping: torch.Tensor,
+        batch: DecodeBatch,
+        num_heads: int,
+        scale: float,
+    ) -> NativeAttention | None:
+        """A decode step's attention for C code to call layer by layer (decode.cpp's
+        ``step_attention``: ``write_kv``, then this kernel, its output in the caches' dtype),
+        one query token per sequence. None where the kernel does not take these tensors."""
+        k_cache, v_cache = caches.first
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        num_seqs = batch.seq_lens.shape[0]
+        tables, seq_lens = batch.block_tables, batch.seq_lens
+        q_like = torch.empty((num_seqs, num_heads, head_dim), dtype=k_cache.dtype)
+        if not (
+            self.supports(k_cache.dtype, head_dim)
+            and batch.query_lens is None
+            and batch.fits(q_like, k_cache, v_cache)
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.shape == (num_seqs,)
+            and slot_mapping.is_contiguous()
+            and num_heads % num_kv_heads == 0
+        ):
+            return None
+        step = _StepAttention(
+            caches.table.data_ptr(),
+            slot_mapping.data_ptr(),
+            tables.data_ptr(),
+            seq_lens.data_ptr(),
+            k_cache.shape[0] * block_size,
+            num_kv_heads * head_dim * k_cache.element_size(),
+            num_seqs,
+            tables.stride(0),
+            num_heads,
+            num_kv_heads,
+            block_size,
+            batch.max_seq_len,
+            head_dim,
+            int(k_cache.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+            scale,
+        )
+        keep = (step, caches, slot_mapping, tables, seq_lens)
+        return NativeAttention(self._step_attention, ctypes.addressof(step), k_cache.dtype, keep)
 
     def __call__(
         self,

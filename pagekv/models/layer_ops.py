@@ -18,7 +18,8 @@ those of the composition. Imports nothing from runner/ or core/.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
@@ -118,6 +119,33 @@ class Linear(NamedTuple):
     bias: torch.Tensor | None = None
 
 
+class StackLayer(NamedTuple):
+    """One decoder layer as a layer stack takes it (``LayerOps.prepare_stack``): its norms and
+    projections, in the order the layer uses them."""
+
+    input_norm: torch.Tensor
+    qkv: Linear
+    post_norm: torch.Tensor
+    o_proj: Linear
+    gate_up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True)
+class NativeAttention:
+    """A step's attention as C code calls it, layer by layer: the address of a function
+    ``int f(const void* context, int layer, const void* q, const void* k, const void* v,
+    void* out)`` (0 on success) that does what the step's ``AttentionFn`` does for that layer,
+    q/k/v as ``attention_inputs`` makes them and out [T, num_heads, head_dim] in their dtype,
+    and the address of its context, valid for the step (``keep`` holds what it points into).
+    ``dtype``: of q/k/v and out, the model's."""
+
+    function: int
+    context: int
+    dtype: torch.dtype
+    keep: object = None
+
+
 class LayerOps(Protocol):
     """What a decoder layer needs besides attention. Tensors in the model dtype unless said
     otherwise; T is the number of tokens."""
@@ -198,6 +226,27 @@ class LayerOps(Protocol):
         residual stream)."""
         ...
 
+    def prepare_stack(self, layers: Sequence[StackLayer], final_norm: torch.Tensor) -> object:
+        """What ``run_stack`` needs to run these layers and the final norm in one go, made
+        once for the weights as they are now; None where these ops cannot."""
+        ...
+
+    def run_stack(
+        self,
+        stack: object,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        eps: float,
+        num_heads: int,
+        num_kv_heads: int,
+        attention: NativeAttention,
+    ) -> torch.Tensor | None:
+        """The prepared layers (``prepare_stack``) on the embeddings x [T, hidden], attention
+        by ``attention``, then the final norm: what the layers one by one give, the same
+        numbers. None where it declines (nothing written, x as it was)."""
+        ...
+
 
 def attention_inputs(
     ops: LayerOps,
@@ -276,6 +325,22 @@ class TorchOps:
     # the compositions above, with this object as their ops
     attention_inputs = attention_inputs
     mlp_block = mlp_block
+
+    def prepare_stack(self, layers: Sequence[StackLayer], final_norm: torch.Tensor) -> object:
+        return None  # torch runs a layer op by op
+
+    def run_stack(
+        self,
+        stack: object,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        eps: float,
+        num_heads: int,
+        num_kv_heads: int,
+        attention: NativeAttention,
+    ) -> torch.Tensor | None:
+        return None
 
 
 TORCH_OPS = TorchOps()

@@ -47,7 +47,9 @@ from pagekv.models.layer_ops import (
     Allocate,
     LayerOps,
     Linear,
+    NativeAttention,
     Packed,
+    StackLayer,
     Weight,
     dense,
     torch_empty,
@@ -160,6 +162,26 @@ class LlamaDecoderLayer(nn.Module):
             cfg.num_key_value_heads,
         )
 
+    def stack_layer(self) -> StackLayer | None:
+        """This layer as a layer stack runs it, or None where it is not the plain layer (a
+        subclass that changes either half, a bias)."""
+        plain = LlamaDecoderLayer
+        if (
+            type(self).forward is not plain.forward
+            or type(self).attention_inputs is not plain.attention_inputs
+            or self.qkv_bias is not None
+            or self.o_bias is not None
+        ):
+            return None
+        return StackLayer(
+            self.input_layernorm,
+            self._projection("qkv_proj"),
+            self.post_attention_layernorm,
+            self._projection("o_proj"),
+            self._projection("gate_up_proj"),
+            self._projection("down_proj"),
+        )
+
     def _projection(self, name: str, bias: torch.Tensor | None = None) -> Linear:
         return Linear(getattr(self, name), self.packed.get(name), bias)
 
@@ -195,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.packed_head: Packed = None  # pack_weights
         self.ops: LayerOps = TORCH_OPS  # use_layer_ops
+        self._prepared_stack: object = _UNPREPARED  # _stack, for the packed weights
         cos, sin = rope_cos_sin(config)  # [max_position_embeddings, head_dim // 2] each
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -203,9 +226,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
     ) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden]."""
+        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden].
+
+        When ``attention`` also offers itself to C code (a ``native`` attribute, a
+        ``NativeAttention``) and the ops can run this model's layers in one go, they do
+        (``LayerOps.run_stack``: the same numbers, without a Python call per op)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self._embed(input_ids)
+        native: NativeAttention | None = getattr(attention, "native", None)
+        if native is not None and (stack := self._stack()) is not None:
+            cfg = self.config
+            heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+            eps = cfg.rms_norm_eps
+            out = self.ops.run_stack(stack, x, cos, sin, eps, heads, kv_heads, native)
+            if out is not None:
+                return out
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attention)
@@ -213,6 +248,16 @@ class LlamaForCausalLM(nn.Module):
         if residual is None:  # no layers
             return self.ops.rms_norm(x, self.norm, eps)
         return self.ops.add_rms_norm(x, residual, self.norm, eps)[0]
+
+    def _stack(self) -> object:
+        """The ops' prepared stack of these layers (``LayerOps.prepare_stack``), made at first
+        use after packing; None where a layer is not plain or the ops cannot."""
+        if self._prepared_stack is _UNPREPARED:
+            layers = [_as_layer(layer).stack_layer() for layer in self.layers]
+            plain = [layer for layer in layers if layer is not None]
+            ready = len(plain) == len(layers) > 0 and self.packed_head is not None
+            self._prepared_stack = self.ops.prepare_stack(plain, self.norm) if ready else None
+        return self._prepared_stack
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab], float32 or (``float32=False``) in the
@@ -271,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
             drop_file_pages(_quantized(_data(getattr(layer, n)) for n in _PACKED_PARAMS))
         self.packed_head = self.ops.pack(_data(self._head()), allocate)
         drop_file_pages(_quantized([self._head()]))
+        self._prepared_stack = _UNPREPARED  # made again for these copies
 
     def packed_weight_named(self, name: str) -> Packed:
         """The packed copy of a weight named as ``quantized_weights`` names it."""
@@ -291,6 +337,7 @@ class LlamaForCausalLM(nn.Module):
             assert isinstance(layer, LlamaDecoderLayer)
             layer.packed = {}
         self.packed_head = None
+        self._prepared_stack = _UNPREPARED
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Copy tensors named as in a HF checkpoint into the (fused) parameters.
@@ -361,6 +408,14 @@ class LlamaForCausalLM(nn.Module):
                     continue  # no q/k/v (or o) bias in this architecture
                 targets[f"model.layers.{i}.{suffix}"] = (layer, param_name, part)
         return targets
+
+
+_UNPREPARED = object()  # LlamaForCausalLM._stack not made yet
+
+
+def _as_layer(module: nn.Module) -> LlamaDecoderLayer:
+    assert isinstance(module, LlamaDecoderLayer)
+    return module
 
 
 def _quantized(weights: Iterable[object]) -> list[QuantizedWeight]:

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagekv.kernels.decode import DecodeBatch, DecodeKernel
+from pagekv.kernels.decode import CacheAddresses, DecodeBatch, DecodeKernel
 from pagekv.kernels.prefill import PrefillBatch, PrefillKernel
+from pagekv.models.layer_ops import NativeAttention
 
 # Decode rows below this go through the decode kernel alone even when they share a prefix:
 # the tiles take 16 (row, query head) pairs at a time, and packing the prefix is not free.
@@ -121,6 +122,39 @@ class FastAttention:
     def _prefill_batch(self) -> PrefillBatch:  # once per step; only for the prefill kernel
         return _kernel_batch(self.layout.prefill)
 
+    def native(
+        self,
+        caches: CacheAddresses,
+        slot_mapping: torch.Tensor,
+        num_tokens: int,
+        num_heads: int,
+    ) -> NativeAttention | None:
+        """This step's attention for a layer stack's C code (``DecodeKernel.step_attention``)
+        where every layer of it would go through the decode kernel alone, as ``__call__``
+        chooses: a decode step of one query token per sequence, no cascade over a shared
+        prefix. None otherwise."""
+        layout, kernel = self.layout, self.kernel
+        k_cache = caches.first[0]
+        if (
+            kernel is None
+            or layout.prefill
+            or layout.num_decode != num_tokens
+            or layout.decode.query_lens is not None
+            or self._cascades(num_tokens, k_cache.dtype, k_cache.shape[-1])
+        ):
+            return None
+        return kernel.step_attention(caches, slot_mapping, layout.decode, num_heads, self.scale)
+
+    def _cascades(self, rows: int, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether decode rows attend a shared prefix by cascade attention."""
+        prefill = self.prefill_kernel
+        return bool(
+            self.layout.decode.shared_blocks
+            and rows >= CASCADE_MIN_ROWS
+            and prefill is not None
+            and prefill.supports(dtype, head_dim)
+        )
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -190,12 +224,7 @@ class FastAttention:
         two parts are merged by their log-sum-exp. Otherwise the decode kernel alone."""
         batch, prefill = self.layout.decode, self.prefill_kernel
         prefix = batch.shared_blocks * k_cache.shape[1]
-        if (
-            prefix
-            and q.shape[0] >= CASCADE_MIN_ROWS
-            and prefill is not None
-            and prefill.supports(k_cache.dtype, q.shape[-1])
-        ):
+        if prefill is not None and self._cascades(q.shape[0], k_cache.dtype, q.shape[-1]):
             lse = torch.empty(q.shape[:2], dtype=torch.float32)
             out = kernel(q, k_cache, v_cache, batch, self.scale, start=prefix, lse=lse)
             table = self._shared_table

@@ -30,7 +30,8 @@ from pagekv.core.plan import Plan, ScheduledRequest
 from pagekv.kernels import decode as cpu_kernel
 from pagekv.kernels import fused_ops, isa, report
 from pagekv.kernels import prefill as prefill_kernel
-from pagekv.models.layer_ops import TORCH_OPS
+from pagekv.kernels.decode import CacheAddresses
+from pagekv.models.layer_ops import TORCH_OPS, NativeAttention
 from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
 from pagekv.runner import host_memory
@@ -60,6 +61,20 @@ def quantized_kernels_available() -> bool:
     """Whether a fast runner here multiplies GGUF blocks with the C kernels (else they would
     be dequantized for every matmul)."""
     return fused_ops.load() is not None
+
+
+class _StepAttentionFn:
+    """A step's ``AttentionFn``, and (``native``) the same attention for C code to call, when
+    the decode kernel takes every layer of the step (``FastAttention.native``)."""
+
+    def __init__(self, attend: AttentionFn, native: NativeAttention | None) -> None:
+        self._attend = attend
+        self.native = native
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return self._attend(layer, q, k, v)
 
 
 class AttentionBackend(enum.Enum):
@@ -125,6 +140,16 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.kernels = self._kernels(attention)
         self.system_line = report.line(self.kernels, self.dtype)
+        # Whether every layer attends its whole history, uncapped (the C kernels' attention),
+        # and the pool's addresses for C code that calls the decode kernel itself.
+        self._whole_history_layers = attention is AttentionBackend.FAST and (
+            all(w is None for w in self.windows) and self.softcap is None
+        )
+        self._cache_addresses = (
+            CacheAddresses.of([(self.kv.k[i], self.kv.v[i]) for i in range(shape[0])])
+            if self.kernel is not None
+            else None
+        )
 
     def _kernels(self, attention: AttentionBackend) -> dict[str, str]:
         """Which kernel runs each part of a step here (``kernels.report``)."""
@@ -235,6 +260,10 @@ class ModelRunner:
         reference_meta = functools.cache(lambda: reference_metadata(inputs, self.block_size))
         fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
         kernel = self.kernel
+        native = None  # every layer through the decode kernel: C code may call it itself
+        if self._whole_history_layers and self._cache_addresses is not None:
+            num_tokens, heads = inputs.input_ids.shape[0], self.model.config.num_attention_heads
+            native = fast.native(self._cache_addresses, slots, num_tokens, heads)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             caches = (kv.k[layer], kv.v[layer])
@@ -247,7 +276,7 @@ class ModelRunner:
                 q, *caches, reference_meta(), self.scale, window=window, softcap=softcap
             )
 
-        return attend
+        return _StepAttentionFn(attend, native)
 
     def _triton_attention_fn(self, inputs: StepInputs) -> AttentionFn:
         """The Triton kernels' attention: the step's metadata on the device once, then per

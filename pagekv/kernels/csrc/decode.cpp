@@ -4,6 +4,7 @@
 // row is read from memory once and reused by the G query heads that share its kv head.
 #include "attention_common.h"
 #include "kernels.h"
+#include <vector>
 
 struct Shape { int num_heads, kv_heads, group, block_size; long token_stride; };
 
@@ -438,6 +439,56 @@ ENTRY(decode_f32_d64, float, 64)
 ENTRY(decode_bf16_d64, uint16_t, 64)
 ENTRY(decode_f32_d128, float, 128)
 ENTRY(decode_bf16_d128, uint16_t, 128)
+
+// A decode step's attention as a layer stack calls it, layer after layer (fused_ops.cpp's
+// decoder_stack_*), laid out as pagekv/kernels/decode.py's StepAttention builds it: one query
+// token per sequence, the whole of each history, no log-sum-exp.
+struct StepAttention {
+    const int64_t* caches;  // [layers][2]: each layer's K and V cache addresses
+    const int64_t* slots;   // [num_seqs]: where this step's K/V rows go
+    const int32_t* tables;  // [num_seqs][table_stride]
+    const int32_t* seq_lens;
+    int64_t num_slots, row_bytes;
+    int32_t num_seqs, table_stride, num_heads, kv_heads, block_size, max_seq_len, head_dim,
+        bf16, threads;
+    float scale;
+};
+
+// What DecodeKernel.write_kv and then DecodeKernel.__call__ do for one layer (the same bytes
+// in the same slots, the same sums), with the float32 output rounded to the cache's type as
+// torch rounds it (to nearest even) into out [num_seqs, num_heads, head_dim]. -1 (nothing
+// written) for a slot out of range or a head size without a kernel.
+template <typename KV, int D>
+static void step_decode(const StepAttention& s, const void* q, const void* kc, const void* vc,
+                        float* out) {
+    decode<KV, D>((const KV*)q, (const KV*)kc, (const KV*)vc, s.tables, s.seq_lens, nullptr,
+                  out, s.num_seqs, s.table_stride, s.num_heads, s.kv_heads, s.block_size,
+                  s.max_seq_len, 1, s.scale, s.threads, 0, nullptr);
+}
+
+extern "C" int step_attention(const void* step, int layer, const void* q, const void* k,
+                              const void* v, void* out) {
+    const StepAttention& s = *(const StepAttention*)step;
+    if (s.head_dim != 64 && s.head_dim != 128) return -1;
+    char* kc = (char*)s.caches[2 * layer];
+    char* vc = (char*)s.caches[2 * layer + 1];
+    if (write_rows((const char*)k, (const char*)v, kc, vc, s.slots, s.num_seqs, s.row_bytes,
+                   s.num_slots) != 0)
+        return -1;
+    const long n = long(s.num_seqs) * s.num_heads * s.head_dim;
+    if (!s.bf16) {  // float32 caches: the kernel's output is already the activations' type
+        (s.head_dim == 64 ? step_decode<float, 64> : step_decode<float, 128>)(s, q, kc, vc,
+                                                                               (float*)out);
+        return 0;
+    }
+    static thread_local std::vector<float> wide;
+    if (long(wide.size()) < n) wide.resize(n);
+    (s.head_dim == 64 ? step_decode<uint16_t, 64> : step_decode<uint16_t, 128>)(s, q, kc, vc,
+                                                                                 wide.data());
+    uint16_t* o = (uint16_t*)out;
+    for (long i = 0; i < n; ++i) o[i] = f32_to_bf16(wide[i]);
+    return 0;
+}
 
 // The first maximum of each of `rows` bfloat16 rows of `cols` (a NaN counts as the maximum, as
 // in torch): greedy sampling straight from the LM head's bf16 logits, without widening them all

@@ -630,3 +630,67 @@ extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* t_o,
     }
 QUANT_HALVES(f32, float)
 QUANT_HALVES(bf16, uint16_t)
+
+// A decode step's every layer and the final norm in one call: for each layer
+// attention_inputs, its attention (a C function the runner gives: decode.cpp's
+// step_attention), mlp_block, as LlamaForCausalLM.forward calls them one by one (so the same
+// bits), then the final add_rms_norm into out. `table` is [layers][STACK_LONGS]: input norm,
+// qkv, post-attention norm, o, gate_up, down, each matmul two longs (quantized: its runs and
+// stripes; bf16: its tiles or stripes and the tile unit). `residual` holds the embeddings and
+// becomes the residual stream. -1 (nothing written) where a layer's matmul does not take this
+// shape; 1 where the attention failed (layers before it ran).
+static const long STACK_LONGS = 10;
+using StackAttention = int (*)(const void*, int, const void*, const void*, const void*, void*);
+
+static QuantDecodeMatmul stack_matmul(const long* at, QuantDecodeMatmul*) {
+    return {(const long*)at[0], (const uint8_t*)at[1]};
+}
+static DenseDecodeMatmul stack_matmul(const long* at, DenseDecodeMatmul*) {
+    return {(const void*)at[0], int(at[1])};
+}
+
+template <typename T, class MM>
+static int decoder_stack(const long* table, int layers, T* residual, const T* final_norm,
+                         float eps, const float* cos, const float* sin, T* out, long M,
+                         long hidden, int heads, int kv_heads, int head_dim, long inter,
+                         const void* attention, const void* context, int threads) {
+    const long q_size = long(heads) * head_dim, kv_size = long(kv_heads) * head_dim;
+    const auto mm = [table](int layer, int at) {
+        return stack_matmul(table + layer * STACK_LONGS + at, (MM*)nullptr);
+    };
+    for (int l = 0; l < layers; ++l)
+        if (!mm(l, 1).fits(M, hidden, q_size + 2 * kv_size) || !mm(l, 4).fits(M, q_size, hidden) ||
+            !mm(l, 6).fits(M, hidden, 2 * inter) || !mm(l, 8).fits(M, inter, hidden))
+            return -1;
+    if (layers < 1) return -1;
+    std::vector<T> buffers(M * (2 * q_size + 2 * kv_size + hidden));
+    T* q = buffers.data();
+    T* k = q + M * q_size;
+    T* v = k + M * kv_size;
+    T* attn = v + M * kv_size;
+    T* x = attn + M * q_size;  // a layer's output
+    const StackAttention attend = (StackAttention)attention;
+    for (int l = 0; l < layers; ++l) {
+        const long* row = table + l * STACK_LONGS;
+        attention_inputs<T>(l == 0 ? nullptr : x, residual, (const T*)row[0], eps, mm(l, 1), cos,
+                            sin, q, k, v, M, hidden, heads, kv_heads, head_dim, threads);
+        if (attend(context, l, q, k, v, attn) != 0) return 1;
+        mlp_block<T>(attn, residual, mm(l, 4), (const T*)row[3], eps, mm(l, 6), mm(l, 8), x, M,
+                     hidden, q_size, inter, threads);
+    }
+    add_rms_norm<T>(x, residual, final_norm, out, M, hidden, eps, threads);
+    return 0;
+}
+
+#define STACK_ENTRY(NAME, T, MM)                                                              \
+    extern "C" int NAME(const long* table, int layers, void* residual, const void* final_norm, \
+                        float eps, const float* cos, const float* sin, void* out, long M,     \
+                        long hidden, int heads, int kv_heads, int head_dim, long inter,       \
+                        const void* attention, const void* context, int threads) {            \
+        return decoder_stack<T, MM>(table, layers, (T*)residual, (const T*)final_norm, eps,   \
+                                    cos, sin, (T*)out, M, hidden, heads, kv_heads, head_dim,  \
+                                    inter, attention, context, threads);                      \
+    }
+STACK_ENTRY(decoder_stack_quant_f32, float, QuantDecodeMatmul)
+STACK_ENTRY(decoder_stack_quant_bf16, uint16_t, QuantDecodeMatmul)
+STACK_ENTRY(decoder_stack_bf16, uint16_t, DenseDecodeMatmul)

@@ -36,6 +36,11 @@ void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, long cols, int
 // A step's new K/V rows into their cache slots; -1 (nothing written) for a slot out of range.
 int write_rows(const char* k, const char* v, char* kc, char* vc, const int64_t* slots,
                long tokens, long row_bytes, long num_slots);
+// One layer of a decode step: its new K/V rows into their slots, then the decode kernel into
+// out (q's type); `step` as decode.cpp's StepAttention. 0, or -1 with nothing written. Its
+// address is what a layer stack (decoder_stack_*) calls for each layer's attention.
+int step_attention(const void* step, int layer, const void* q, const void* k, const void* v,
+                   void* out);
 
 // prefill.cpp: attention in tiles. Each returns 0, or -1 where this target has no kernel for
 // the call (the caller keeps SDPA or the decode kernel).
@@ -139,6 +144,25 @@ int mlp_block_quant_bf16(const void* attn, void* residual, const long* o_runs, c
                          const void* norm, float eps, const long* gate_up_runs,
                          const void* gate_up, const long* down_runs, const void* down,
                          void* out, long M, long hidden, long q_size, long inter, int threads);
+
+// A decode step's whole layer stack and final norm in one call, each layer's attention by
+// the C function `attention` with `context` (decode.cpp's step_attention); `table`: per layer
+// 10 longs (fused_ops.cpp). 0; -1 (nothing written) where a matmul does not take the shape;
+// 1 where the attention failed.
+int decoder_stack_quant_f32(const long* table, int layers, void* residual,
+                            const void* final_norm, float eps, const float* cos,
+                            const float* sin, void* out, long M, long hidden, int heads,
+                            int kv_heads, int head_dim, long inter, const void* attention,
+                            const void* context, int threads);
+int decoder_stack_quant_bf16(const long* table, int layers, void* residual,
+                             const void* final_norm, float eps, const float* cos,
+                             const float* sin, void* out, long M, long hidden, int heads,
+                             int kv_heads, int head_dim, long inter, const void* attention,
+                             const void* context, int threads);
+int decoder_stack_bf16(const long* table, int layers, void* residual, const void* final_norm,
+                       float eps, const float* cos, const float* sin, void* out, long M,
+                       long hidden, int heads, int kv_heads, int head_dim, long inter,
+                       const void* attention, const void* context, int threads);
 
 // roofline.cpp: this machine's peaks (-1 where the target lacks the instructions).
 int f32_lanes(void);
