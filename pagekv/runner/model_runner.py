@@ -55,6 +55,7 @@ class SampledToken:
 
 
 PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (for A/B runs)
+STACK_ENV = "PAGEKV_LAYER_STACK"  # "0": decode steps layer by layer, never in one C call
 
 
 def quantized_kernels_available() -> bool:
@@ -140,10 +141,13 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.kernels = self._kernels(attention)
         self.system_line = report.line(self.kernels, self.dtype)
-        # Whether every layer attends its whole history, uncapped (the C kernels' attention),
-        # and the pool's addresses for C code that calls the decode kernel itself.
-        self._whole_history_layers = attention is AttentionBackend.FAST and (
-            all(w is None for w in self.windows) and self.softcap is None
+        # Whether C code may run a decode step's layers and call the decode kernel itself
+        # (every layer attends its whole history, uncapped), and the pool's addresses for it.
+        self._layer_stack = (
+            attention is AttentionBackend.FAST
+            and all(w is None for w in self.windows)
+            and self.softcap is None
+            and os.environ.get(STACK_ENV, "1") != "0"
         )
         self._cache_addresses = (
             CacheAddresses.of([(self.kv.k[i], self.kv.v[i]) for i in range(shape[0])])
@@ -261,7 +265,7 @@ class ModelRunner:
         fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
         kernel = self.kernel
         native = None  # every layer through the decode kernel: C code may call it itself
-        if self._whole_history_layers and self._cache_addresses is not None:
+        if self._layer_stack and self._cache_addresses is not None:
             num_tokens, heads = inputs.input_ids.shape[0], self.model.config.num_attention_heads
             native = fast.native(self._cache_addresses, slots, num_tokens, heads)
 
