@@ -5,10 +5,13 @@ Owns the kernel's source, its flags and the ctypes call; the build and its cache
 history through the block table into new tensors costs a copy of every K/V byte per layer per
 step; this kernel reads each cached K/V row in place, once. The same library writes a step's
 new K/V rows into their slots (``DecodeKernel.write_kv``): one call instead of two indexed
-copies, with the scattered destination rows requested ahead.
+copies, with the scattered destination rows requested ahead. For a layer stack that runs a
+decode step's layers in C, both at once for each layer (``step_attention``: the C function and
+its context, which the stack calls between the layer halves).
 
 ``load()`` returns None (and the caller falls back to torch ops) when there is no compiler, the
-build fails, or ``PAGEKV_CPU_KERNEL=0``. Must not import ``pagekv.core``, ``models`` or ``server``.
+build fails, or ``PAGEKV_CPU_KERNEL=0``. Must not import ``pagekv.core`` or ``server``; of
+``models``, only the layer ops' ``NativeAttention`` (``step_attention``'s result).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ the matmuls, through weights packed once at load:
 
 A decode layer's two halves around attention (``attention_inputs``, ``mlp_block``) are one C
 call each on bf16 decode batches: the same kernels in the same order, so the same bits, without
-nine Python calls and their new tensors.
+nine Python calls and their new tensors. A whole decode step's layers and the final norm are one
+call too (``prepare_stack``, ``run_stack``), the halves of every layer with the step's
+attention between them called from C (``NativeAttention``: the decode kernel's
+``step_attention``).
 
 Owns the choice of layout for each weight (``pack``: the dense stripes and tiles are
 ``dense``'s, the quantized stripes ``quant``'s) and the ctypes calls of the layer ops. The

@@ -20,7 +20,8 @@ Flat token order of a step (decode rows first, see ``batch.prepare_step``)::
     chunk 1: history: SDPA(q, K/V of 51 slots read via its blocks, causal offset by 48)
     kernel:  both chunks in one prefill kernel call over their blocks (offset 0 and 48)
 
-Must not import ``pagekv.core``, ``models`` or ``server``.
+Must not import ``pagekv.core`` or ``server``; of ``models``, only the layer ops'
+``NativeAttention`` (what it hands a layer stack).
 """
 
 from __future__ import annotations
