@@ -23,7 +23,8 @@ from tokenizers import models as tokenizer_models
 from pagekv.errors import ModelLoadError
 from pagekv.models import LlamaForCausalLM, ModelConfig, load_model, registry
 from pagekv.models.gguf_tokenizer import byte_alphabet
-from pagekv.models.llama import GGUF_NAMES, _slice
+from pagekv.models.llama import _slice
+from pagekv.models.llama_family import GGUF_NAMES
 from pagekv.models.registry import ARCHITECTURES, Architecture, GGUFNames
 
 SHAPES = {

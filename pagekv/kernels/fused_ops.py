@@ -37,13 +37,13 @@ import copy
 import ctypes
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagekv.kernels import build
 from pagekv.kernels.dense import SUFFIXES, DenseKernels, by_dtype
+from pagekv.kernels.layer_stack import Stack
 from pagekv.kernels.quant import PackedQuant, QuantKernels
 from pagekv.models import layer_ops
 from pagekv.models.quantized import QuantizedWeight
@@ -319,106 +319,32 @@ class FusedOps:
 
     def prepare_stack(
         self, layers: Sequence[layer_ops.StackLayer], final_norm: torch.Tensor
-    ) -> _Stack | None:
-        """The layers as ``decoder_stack_*`` reads them, where every matmul is one the layer
-        halves' one C call takes (all quantized stripes, or all bf16 tiles or stripes), no
-        bias, and every layer has the first one's shapes; None otherwise."""
-        if not layers:
-            return None
-        dtype, first = final_norm.dtype, layers[0]
-        four = (first.qkv, first.o_proj, first.gate_up, first.down)
-        shapes = [tuple(lin.weight.shape) for lin in four]
-        norms = [final_norm, *(n for layer in layers for n in (layer.input_norm, layer.post_norm))]
-        linears = [
-            lin for layer in layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-        ]
-        if not (
-            all(
-                n.dtype == dtype and n.is_contiguous() and n.shape == final_norm.shape
-                for n in norms
-            )
-            and all(tuple(lin.weight.shape) == shapes[i % 4] for i, lin in enumerate(linears))
-        ):
-            return None
+    ) -> Stack | None:
+        """The layers for ``decoder_stack_*`` (layer_stack.py), where every matmul is one the
+        layer halves' one C call takes (all quantized stripes, or all bf16 tiles or stripes),
+        no bias, and every layer has the first one's shapes; None otherwise."""
+        linears = [lin for layer in layers for lin in layer[1:2] + layer[3:]]
+        dtype = final_norm.dtype
         if dtype in SUFFIXES and all(
             isinstance(lin.packed, PackedQuant)
             and lin.packed.shape == lin.weight.shape
             and lin.bias is None
             for lin in linears
         ):
-            function, max_rows = self._quant_stack[dtype], ONE_CALL_MAX_ROWS
-            pairs = [_quant(lin.packed) for lin in linears]
+            matmuls = [_quant(lin.packed) for lin in linears]
+            function, rows, unit = self._quant_stack[dtype], ONE_CALL_MAX_ROWS, None
         elif self._fits_dense(final_norm, tuple(linears)):
-            function = self._dense_stack
-            max_rows = self.dense.tiles_max_rows or ONE_CALL_MAX_ROWS
-            pairs = [(_packed(lin.packed) or 0, self.dense.unit) for lin in linears]
+            matmuls = [(_packed(lin.packed) or 0, self.dense.unit) for lin in linears]
+            function, unit = self._dense_stack, self.dense.unit
+            rows = self.dense.tiles_max_rows or ONE_CALL_MAX_ROWS
         else:
             return None
-        rows = []
-        for i, layer in enumerate(layers):
-            qkv, o_proj, gate_up, down = pairs[4 * i : 4 * i + 4]
-            norms_at = (layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
-            rows.append([norms_at[0], *qkv, norms_at[1], *o_proj, *gate_up, *down])
-        (width, hidden), (_, q_size), _, (_, inter) = shapes
-        table = torch.tensor(rows, dtype=torch.int64)
-        unit = self.dense.unit if function is self._dense_stack else None
-        return _Stack(function, table, final_norm, hidden, width, q_size, inter, max_rows, unit)
+        return Stack.build(function, layers, matmuls, final_norm, rows, unit)
 
-    def run_stack(
-        self,
-        stack: object,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        eps: float,
-        num_heads: int,
-        num_kv_heads: int,
-        attention: layer_ops.NativeAttention,
-    ) -> torch.Tensor | None:
-        """Every layer and the final norm in one ``decoder_stack_*`` call, on a decode batch
-        of the shapes it was prepared for; None (nothing written) for anything else."""
-        assert isinstance(stack, _Stack)
-        rows, half = x.shape[0], cos.shape[-1]
-        head_dim = 2 * half
-        if not (
-            x.dtype == stack.final_norm.dtype == attention.dtype
-            and x.is_contiguous()
-            and x.shape == (rows, stack.hidden)
-            and 0 < rows <= stack.max_rows
-            and stack.width == (num_heads + 2 * num_kv_heads) * head_dim
-            and stack.q_size == num_heads * head_dim
-            and cos.dtype == sin.dtype == torch.float32
-            and cos.shape == sin.shape == (rows, half)
-            and cos.is_contiguous()
-            and sin.is_contiguous()
-        ):
-            return None
-        if stack.unit is not None and stack.unit != self.dense.unit:  # use_matmul_unit since
-            stack.table[:, [2, 5, 7, 9]] = self.dense.unit  # each matmul's second long
-            stack.unit = self.dense.unit
-        out = torch.empty_like(x)
-        status = stack.function(
-            stack.table.data_ptr(),
-            stack.table.shape[0],
-            x.data_ptr(),
-            stack.final_norm.data_ptr(),
-            eps,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            out.data_ptr(),
-            rows,
-            stack.hidden,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            stack.inter,
-            attention.function,
-            attention.context,
-            _threads(),
-        )
-        if status == 1:
-            raise ValueError("layer stack: the step's attention failed (a KV slot out of range)")
-        return out if status == 0 else None
+    def run_stack(self, stack: object, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """Every layer and the final norm in one ``decoder_stack_*`` call (``Stack.run``)."""
+        assert isinstance(stack, Stack)
+        return stack.run(*args, **kwargs, unit=self.dense.unit, threads=_threads())
 
     def _one_call(
         self,
@@ -474,22 +400,6 @@ class FusedOps:
         fn = self._functions[("silu_mul", gate_up.dtype)]
         fn(gate_up.data_ptr(), out.data_ptr(), rows, inter, _threads())
         return out
-
-
-@dataclass
-class _Stack:
-    """A model's layers prepared for ``decoder_stack_*``: the C function, the table of
-    addresses ([layers, 10] int64, fused_ops.cpp), the shapes it was made for."""
-
-    function: Any
-    table: torch.Tensor
-    final_norm: torch.Tensor
-    hidden: int
-    width: int  # of the fused qkv projection
-    q_size: int
-    inter: int
-    max_rows: int
-    unit: int | None  # bf16 tiles: the unit the table says; None for quantized stripes
 
 
 def _quant(packed: layer_ops.Packed) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) in plain torch, its weight loading, and the
-three architectures it is (``LLAMA``, ``QWEN2``, ``MISTRAL``, registered in registry.py).
+"""The Llama-family decoder (Llama, Mistral, Qwen2) in plain torch and its weight loading (the
+architectures it is, and their GGUF names: llama_family.py).
 
 Owns the model's parameters and the forward math: RMSNorm, RoPE, grouped-query attention
 projections, SwiGLU MLP. It does NOT own attention over the KV cache: the caller passes an
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagekv.errors import ModelLoadError
-from pagekv.models.config import ModelConfig, qwen_layer_types
+from pagekv.models.config import ModelConfig
 from pagekv.models.layer_ops import (
     TORCH_OPS,
     Allocate,
@@ -55,7 +55,6 @@ from pagekv.models.layer_ops import (
     torch_empty,
 )
 from pagekv.models.quantized import QuantizedWeight, drop_file_pages
-from pagekv.models.registry import Architecture, GGUFNames
 from pagekv.models.rope import rope_cos_sin
 
 # (layer_idx, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim], v [T, num_kv_heads,
@@ -447,35 +446,3 @@ def _fused_slices(config: ModelConfig) -> dict[str, slice]:
         "gate": slice(0, inter),
         "up": slice(inter, 2 * inter),
     }
-
-
-# llama.cpp's names for this decoder's tensors, whichever of its architectures wrote the file.
-GGUF_NAMES = GGUFNames(
-    model={
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight",
-    },
-    layer={
-        "attn_norm.weight": "input_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight",
-        "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight",
-        "attn_q.bias": "self_attn.q_proj.bias",
-        "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.bias": "self_attn.v_proj.bias",
-        "attn_output.weight": "self_attn.o_proj.weight",
-        "ffn_norm.weight": "post_attention_layernorm.weight",
-        "ffn_gate.weight": "mlp.gate_proj.weight",
-        "ffn_up.weight": "mlp.up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-    },
-)
-
-# llama.cpp's converter permutes Llama's q/k rows; Qwen2 always has q/k/v bias (its config.json
-# does not say so); Mistral's GGUF files call themselves llama, so it has none of its own.
-LLAMA = Architecture(LlamaForCausalLM, GGUF_NAMES, gguf_rope_permuted=True)
-QWEN2 = Architecture(
-    LlamaForCausalLM, GGUF_NAMES, hf_attention_bias=True, hf_config_fields=qwen_layer_types
-)
-MISTRAL = Architecture(LlamaForCausalLM)

@@ -10,7 +10,8 @@ run wrong: longrope scaling (config.py knows no such rope_scaling type) and part
 
 from __future__ import annotations
 
-from pagekv.models.llama import _LAYER_PARAMS, GGUF_NAMES, LlamaDecoderLayer, LlamaForCausalLM
+from pagekv.models.llama import _LAYER_PARAMS, LlamaDecoderLayer, LlamaForCausalLM
+from pagekv.models.llama_family import GGUF_NAMES
 from pagekv.models.registry import Architecture, GGUFNames
 
 _SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

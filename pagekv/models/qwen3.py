@@ -15,11 +15,11 @@ import torch
 from pagekv.models.config import ModelConfig, qwen_layer_types
 from pagekv.models.llama import (
     _LAYER_PARAMS,
-    GGUF_NAMES,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     _weight,
 )
+from pagekv.models.llama_family import GGUF_NAMES
 from pagekv.models.registry import Architecture, GGUFNames
 
 # llama.py's layer names and the two norms

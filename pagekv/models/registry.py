@@ -64,9 +64,9 @@ class Architecture:
 
 # Architecture name -> (module, attribute) of its Architecture, in the order messages list them.
 ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("pagekv.models.llama", "LLAMA"),
-    "qwen2": ("pagekv.models.llama", "QWEN2"),
-    "mistral": ("pagekv.models.llama", "MISTRAL"),
+    "llama": ("pagekv.models.llama_family", "LLAMA"),
+    "qwen2": ("pagekv.models.llama_family", "QWEN2"),
+    "mistral": ("pagekv.models.llama_family", "MISTRAL"),
     "qwen3": ("pagekv.models.qwen3", "QWEN3"),
     "phi3": ("pagekv.models.phi3", "PHI3"),
     "gemma2": ("pagekv.models.gemma", "GEMMA2"),

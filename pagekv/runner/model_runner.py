@@ -141,19 +141,21 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.kernels = self._kernels(attention)
         self.system_line = report.line(self.kernels, self.dtype)
-        # Whether C code may run a decode step's layers and call the decode kernel itself
-        # (every layer attends its whole history, uncapped), and the pool's addresses for it.
-        self._layer_stack = (
+        self._cache_addresses = self._stack_addresses(attention)  # None: no layer stack
+
+    def _stack_addresses(self, attention: AttentionBackend) -> CacheAddresses | None:
+        """The pool's addresses for C code that runs a decode step's layers and calls the
+        decode kernel itself; None where it may not (a layer windowed or capped, no kernel,
+        ``PAGEKV_LAYER_STACK=0``)."""
+        if not (
             attention is AttentionBackend.FAST
+            and self.kernel is not None
             and all(w is None for w in self.windows)
             and self.softcap is None
             and os.environ.get(STACK_ENV, "1") != "0"
-        )
-        self._cache_addresses = (
-            CacheAddresses.of([(self.kv.k[i], self.kv.v[i]) for i in range(shape[0])])
-            if self.kernel is not None
-            else None
-        )
+        ):
+            return None
+        return CacheAddresses.of(list(zip(self.kv.k, self.kv.v, strict=True)))
 
     def _kernels(self, attention: AttentionBackend) -> dict[str, str]:
         """Which kernel runs each part of a step here (``kernels.report``)."""
@@ -265,7 +267,7 @@ class ModelRunner:
         fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
         kernel = self.kernel
         native = None  # every layer through the decode kernel: C code may call it itself
-        if self._layer_stack and self._cache_addresses is not None:
+        if self._cache_addresses is not None:
             num_tokens, heads = inputs.input_ids.shape[0], self.model.config.num_attention_heads
             native = fast.native(self._cache_addresses, slots, num_tokens, heads)
 

@@ -1,0 +1,130 @@
+"""A decode step's layers prepared for one C call (``csrc/fused_ops.cpp``'s ``decoder_stack_*``):
+the table of every layer's norm and matmul addresses, the shapes it was made for, and the call.
+
+Owns nothing but that table; which layers qualify and with which matmuls is ``FusedOps``'
+choice (``FusedOps.prepare_stack``), the attention the stack calls is the runner's
+(``layer_ops.NativeAttention``). Imports nothing from runner/ or core/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagekv.models import layer_ops
+
+# Per layer: input norm, qkv (2), post-attention norm, o (2), gate_up (2), down (2); each
+# matmul's two longs are its quantized runs and stripes, or its bf16 tiles and the tile unit.
+UNIT_COLUMNS = [2, 5, 7, 9]
+
+
+@dataclass
+class Stack:
+    """A model's layers as ``decoder_stack_*`` reads them."""
+
+    function: Any  # the ctypes function
+    table: torch.Tensor  # int64 [layers, 10]
+    final_norm: torch.Tensor
+    hidden: int
+    width: int  # of the fused qkv projection
+    q_size: int
+    inter: int
+    max_rows: int
+    unit: int | None  # bf16 tiles: the unit the table says; None for quantized stripes
+
+    @staticmethod
+    def build(
+        function: Any,
+        layers: Sequence[layer_ops.StackLayer],
+        matmuls: Sequence[tuple[int, int]],  # the two longs of each layer's 4 matmuls
+        final_norm: torch.Tensor,
+        max_rows: int,
+        unit: int | None,
+    ) -> Stack | None:
+        """None where a layer's shapes differ from the first's, or a norm from the final
+        norm's."""
+        first = layers[0]
+        four = (first.qkv, first.o_proj, first.gate_up, first.down)
+        shapes = [tuple(lin.weight.shape) for lin in four]
+        norms = [final_norm, *(n for layer in layers for n in (layer.input_norm, layer.post_norm))]
+        linears = [
+            lin for layer in layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        if not (
+            all(
+                n.dtype == final_norm.dtype and n.is_contiguous() and n.shape == final_norm.shape
+                for n in norms
+            )
+            and all(tuple(lin.weight.shape) == shapes[i % 4] for i, lin in enumerate(linears))
+        ):
+            return None
+        rows = []
+        for i, layer in enumerate(layers):
+            qkv, o_proj, gate_up, down = matmuls[4 * i : 4 * i + 4]
+            at = (layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
+            rows.append([at[0], *qkv, at[1], *o_proj, *gate_up, *down])
+        (width, hidden), (_, q_size), (_, inter) = (
+            tuple(lin.weight.shape) for lin in (first.qkv, first.o_proj, first.down)
+        )
+        table = torch.tensor(rows, dtype=torch.int64)
+        return Stack(function, table, final_norm, hidden, width, q_size, inter, max_rows, unit)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        eps: float,
+        num_heads: int,
+        num_kv_heads: int,
+        attention: layer_ops.NativeAttention,
+        *,
+        unit: int,
+        threads: int,
+    ) -> torch.Tensor | None:
+        """``LayerOps.run_stack`` on a decode batch of the shapes it was made for; None
+        (nothing written) for anything else. ``unit``: the tile unit in use now."""
+        rows, half = x.shape[0], cos.shape[-1]
+        head_dim = 2 * half
+        if not (
+            x.dtype == self.final_norm.dtype == attention.dtype
+            and x.is_contiguous()
+            and x.shape == (rows, self.hidden)
+            and 0 < rows <= self.max_rows
+            and self.width == (num_heads + 2 * num_kv_heads) * head_dim
+            and self.q_size == num_heads * head_dim
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape == (rows, half)
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+        ):
+            return None
+        if self.unit is not None and self.unit != unit:  # switched since (use_matmul_unit)
+            self.table[:, UNIT_COLUMNS] = unit
+            self.unit = unit
+        out = torch.empty_like(x)
+        status = self.function(
+            self.table.data_ptr(),
+            self.table.shape[0],
+            x.data_ptr(),
+            self.final_norm.data_ptr(),
+            eps,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            out.data_ptr(),
+            rows,
+            self.hidden,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            self.inter,
+            attention.function,
+            attention.context,
+            threads,
+        )
+        if status == 1:
+            raise ValueError("layer stack: the step's attention failed (a KV slot out of range)")
+        return out if status == 0 else None
