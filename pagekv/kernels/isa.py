@@ -41,10 +41,11 @@ _AVX2 = ("avx2", "fma", "f16c", "bmi2")
 # the machine that runs them): the same tuning -march=native gave.
 _TUNE = ("-mtune=native",) if platform.machine().lower() in ("x86_64", "amd64") else ()
 _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
-# Every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later, Zen 4 and later) has the
-# int8 dot products of AVX512-VNNI too.
-_BF16 = ("avx512_bf16", "avx512_vnni")
-_BF16_FLAGS = ("-mavx512bf16", "-mavx512vnni")
+# With AVX512-BF16 the int8 dot products of AVX512-VNNI and the byte permutes of AVX512-VBMI,
+# which Sapphire Rapids and later and Zen 4 and later all have (Cooper Lake, without VBMI, runs
+# the avx512 target).
+_BF16 = ("avx512_bf16", "avx512_vnni", "avx512vbmi")
+_BF16_FLAGS = ("-mavx512bf16", "-mavx512vnni", "-mavx512vbmi")
 
 # Lesser to greater; each needs what the ones before it need (but generic).
 TARGETS: tuple[Target, ...] = (

@@ -11,7 +11,7 @@
 //
 // Per target (vec.h's): VD, W int32 lanes; load_quads<BITS>(rows, u0, u1), k rows [0, 4) of a
 // stripe regrouped so that lane c of u0 holds column c's 4 quants as bytes, k ascending (u1:
-// column W + c's); dot4<BITS>(acc, u, x) adds to each lane the sum over its 4 bytes of
+// column W + c's: one byte permute each with AVX512-VBMI, else dword and byte shuffles); dot4<BITS>(acc, u, x) adds to each lane the sum over its 4 bytes of
 // (u - DOT_BIAS<BITS>) * x, x 4 signed bytes in every lane. Where the dot product takes
 // unsigned bytes as they are (VNNI, the generic body) the bias is 0; vpmaddubsw's pairs would
 // overflow int16 at 8 bits, so there the 8-bit quants go in as signed (u - 128), with signs
@@ -29,6 +29,7 @@ struct VD {
     static VD zero() { return {_mm512_setzero_si512()}; }
     static VD set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
     VF to_float() const { return {_mm512_cvtepi32_ps(v)}; }
+    VD operator+(VD o) const { return {_mm512_add_epi32(v, o.v)}; }
 };
 // 128-bit lane k: the 16 quant bytes of columns 0-15 at k -> lane c: column c's 4 bytes.
 static inline __m512i quads_of(__m512i rows) {
@@ -37,6 +38,34 @@ static inline __m512i quads_of(__m512i rows) {
         _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(dwords, rows), bytes);
 }
+#if defined(__AVX512VBMI__)
+// Byte 4c + k of a quad <- byte ROW * k + FIRST + c of its rows: one byte permute regroups it.
+template <int ROW, int FIRST>
+struct QuadIndex {
+    alignas(64) uint8_t bytes[64];
+    constexpr QuadIndex() : bytes() {
+        for (int i = 0; i < 64; ++i) bytes[i] = uint8_t(ROW * (i % 4) + FIRST + i / 4);
+    }
+};
+template <int ROW, int FIRST>
+static inline __m512i quad_index() {
+    static constexpr QuadIndex<ROW, FIRST> index;
+    return _mm512_load_si512(index.bytes);
+}
+template <int BITS>
+static inline void load_quads(const uint8_t* rows, VD& u0, VD& u1) {
+    if constexpr (BITS == 4) {  // 4 rows of 16 bytes: (k, c) at 16k + c, low and high fields
+        const __m512i v = _mm512_loadu_si512(rows), low = _mm512_set1_epi8(15);
+        const __m512i index = quad_index<16, 0>();
+        u0 = {_mm512_permutexvar_epi8(index, _mm512_and_si512(v, low))};
+        u1 = {_mm512_permutexvar_epi8(index, _mm512_and_si512(_mm512_srli_epi16(v, 4), low))};
+    } else {  // 4 rows of 32 bytes: (k, c) at 32k + c of the 128 bytes a, b
+        const __m512i a = _mm512_loadu_si512(rows), b = _mm512_loadu_si512(rows + 64);
+        u0 = {_mm512_permutex2var_epi8(a, quad_index<32, 0>(), b)};
+        u1 = {_mm512_permutex2var_epi8(a, quad_index<32, 16>(), b)};
+    }
+}
+#else
 template <int BITS>
 static inline void load_quads(const uint8_t* rows, VD& u0, VD& u1) {
     if constexpr (BITS == 4) {  // 4 rows of 16 bytes
@@ -49,6 +78,7 @@ static inline void load_quads(const uint8_t* rows, VD& u0, VD& u1) {
         u1 = {quads_of(_mm512_shuffle_i64x2(a, b, 0xDD))};
     }
 }
+#endif
 #if defined(__AVX512VNNI__)
 template <int BITS>
 static constexpr int DOT_BIAS = 0;
@@ -77,6 +107,7 @@ struct VD {
     static VD zero() { return {_mm256_setzero_si256()}; }
     static VD set1(int32_t x) { return {_mm256_set1_epi32(x)}; }
     VF to_float() const { return {_mm256_cvtepi32_ps(v)}; }
+    VD operator+(VD o) const { return {_mm256_add_epi32(v, o.v)}; }
 };
 // dwords 4j + k <- rows' dword at (k, j) as `dwords` places them, then each 128-bit lane's
 // 4 x 4 bytes transposed: lane c = column c's 4 bytes.
@@ -118,6 +149,11 @@ struct VD {
     uint32_t v[4];
     static VD zero() { return {{0, 0, 0, 0}}; }
     static VD set1(int32_t x) { return {{uint32_t(x), uint32_t(x), uint32_t(x), uint32_t(x)}}; }
+    VD operator+(VD o) const {
+        VD r;
+        for (int i = 0; i < 4; ++i) r.v[i] = v[i] + o.v[i];
+        return r;
+    }
     VF to_float() const {
         VF r;
         for (int i = 0; i < 4; ++i) r.v[i] = float(int32_t(v[i]));
@@ -214,26 +250,37 @@ static inline void dot_block(const Int8Rows& x, long m0, const QuantStripe<F>& s
         // products leave too few loads in flight to cover memory's latency by themselves
         for (long b = 0; b < GROUP_BYTES<F>; b += 64)
             __builtin_prefetch(group.rows + DOT_PREFETCH + b, 0, 3);
-        VD sum[R][2];
-        for (int m = 0; m < R; ++m) sum[m][0] = sum[m][1] = VD::zero();
-        for (int j = 0; j < DOT_GROUP / 4; ++j) {
-            VD u0, u1;
-            load_quads<F::BITS>(group.rows + 4 * j * F::ROW_BYTES, u0, u1);
-            for (int m = 0; m < R; ++m) {
-                int32_t quad;
-                std::memcpy(&quad, x.q + (m0 + m) * K + g * DOT_GROUP + 4 * j, 4);
-                const VD xq = VD::set1(quad);
-                sum[m][0] = dot4<F::BITS>(sum[m][0], u0, xq);
-                sum[m][1] = dot4<F::BITS>(sum[m][1], u1, xq);
+        // P chains of dot products per sum, quads j = p, p + P, ...: with few rows one chain
+        // would wait on each dot product's latency; int32 sums are exact in any order, so the
+        // chains change no bit
+        constexpr int P = R <= 2 ? 2 : 1;
+        VD sum[R][2][P];
+        for (int m = 0; m < R; ++m)
+            for (int p = 0; p < P; ++p) sum[m][0][p] = sum[m][1][p] = VD::zero();
+        for (int j = 0; j < DOT_GROUP / 4; j += P)
+            for (int p = 0; p < P; ++p) {
+                VD u0, u1;
+                load_quads<F::BITS>(group.rows + 4 * (j + p) * F::ROW_BYTES, u0, u1);
+                for (int m = 0; m < R; ++m) {
+                    int32_t quad;
+                    std::memcpy(&quad, x.q + (m0 + m) * K + g * DOT_GROUP + 4 * (j + p), 4);
+                    const VD xq = VD::set1(quad);
+                    sum[m][0][p] = dot4<F::BITS>(sum[m][0][p], u0, xq);
+                    sum[m][1][p] = dot4<F::BITS>(sum[m][1][p], u1, xq);
+                }
             }
-        }
+        for (int m = 0; m < R; ++m)
+            for (int p = 1; p < P; ++p) {
+                sum[m][0][0] = sum[m][0][0] + sum[m][0][p];
+                sum[m][1][0] = sum[m][1][0] + sum[m][1][p];
+            }
         // the offsets the biased sums need: m + bias * s (exact: a power of two times s)
         const VF o0 = fma(group.s0, bias, group.m0), o1 = fma(group.s1, bias, group.m1);
         for (int m = 0; m < R; ++m) {
             const long at = (m0 + m) * groups + g;
             const VF a = VF::set1(x.scale[at]), qs = VF::set1(x.qsum[at]);
-            acc[m][0] = fma(o0, qs, fma(sum[m][0].to_float(), group.s0 * a, acc[m][0]));
-            acc[m][1] = fma(o1, qs, fma(sum[m][1].to_float(), group.s1 * a, acc[m][1]));
+            acc[m][0] = fma(o0, qs, fma(sum[m][0][0].to_float(), group.s0 * a, acc[m][0]));
+            acc[m][1] = fma(o1, qs, fma(sum[m][1][0].to_float(), group.s1 * a, acc[m][1]));
         }
     }
     for (int m = 0; m < R; ++m) {
