@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -329,17 +329,7 @@ class TorchOps:
     def prepare_stack(self, layers: Sequence[StackLayer], final_norm: torch.Tensor) -> object:
         return None  # torch runs a layer op by op
 
-    def run_stack(
-        self,
-        stack: object,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        eps: float,
-        num_heads: int,
-        num_kv_heads: int,
-        attention: NativeAttention,
-    ) -> torch.Tensor | None:
+    def run_stack(self, stack: object, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         return None
 
 
