@@ -323,9 +323,7 @@ class FusedOps:
         """The layers for ``decoder_stack_*`` (layer_stack.py), where every matmul is one the
         layer halves' one C call takes (all quantized stripes, or all bf16 tiles or stripes),
         no bias, and every layer has the first one's shapes; None otherwise."""
-        linears = [
-            m for layer in layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-        ]
+        linears = [lin for layer in layers for lin in layer.matmuls]
         dtype = final_norm.dtype
         if dtype in SUFFIXES and all(
             isinstance(lin.packed, PackedQuant)

@@ -47,12 +47,9 @@ class Stack:
         """None where a layer's shapes differ from the first's, or a norm from the final
         norm's."""
         first = layers[0]
-        four = (first.qkv, first.o_proj, first.gate_up, first.down)
-        shapes = [tuple(lin.weight.shape) for lin in four]
+        shapes = [tuple(lin.weight.shape) for lin in first.matmuls]
         norms = [final_norm, *(n for layer in layers for n in (layer.input_norm, layer.post_norm))]
-        linears = [
-            lin for layer in layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
-        ]
+        linears = [lin for layer in layers for lin in layer.matmuls]
         if not (
             all(
                 n.dtype == final_norm.dtype and n.is_contiguous() and n.shape == final_norm.shape
@@ -66,9 +63,7 @@ class Stack:
             qkv, o_proj, gate_up, down = matmuls[4 * i : 4 * i + 4]
             at = (layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
             rows.append([at[0], *qkv, at[1], *o_proj, *gate_up, *down])
-        (width, hidden), (_, q_size), (_, inter) = (
-            tuple(lin.weight.shape) for lin in (first.qkv, first.o_proj, first.down)
-        )
+        (width, hidden), (_, q_size), _, (_, inter) = shapes
         table = torch.tensor(rows, dtype=torch.int64)
         return Stack(function, table, final_norm, hidden, width, q_size, inter, max_rows, unit)
 

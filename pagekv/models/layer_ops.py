@@ -130,6 +130,10 @@ class StackLayer(NamedTuple):
     gate_up: Linear
     down: Linear
 
+    @property
+    def matmuls(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.qkv, self.o_proj, self.gate_up, self.down
+
 
 @dataclass(frozen=True)
 class NativeAttention:
