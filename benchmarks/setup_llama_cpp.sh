@@ -12,9 +12,13 @@
 # - src/build/bin/                         llama-server, llama-bench, llama-batched-bench ($BIN,
 #                                          the path benchmarks/compare.py and
 #                                          benchmarks/bench_single_stream.py look in)
-# Built for this CPU (GGML_NATIVE), CPU backend only, no curl, no tests. Each step is skipped
-# when its output exists, so rerunning it is cheap. Benchmark only: nothing in pagekv, its
-# tests or CI depends on it.
+# Built for this CPU (GGML_NATIVE), CPU backend only, no curl, no tests; LLAMA_CPP_CFLAGS adds
+# compiler flags. Where llama.cpp's AMX code crashes (seen on an AMX VM: a segfault or an
+# illegal instruction as soon as a batch of tokens goes through, with --repack 1), remove
+# src/build and build without it:
+#   LLAMA_CPP_CFLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' benchmarks/setup_llama_cpp.sh
+# Each step is skipped when its output exists, so rerunning it is cheap. Benchmark only:
+# nothing in pagekv, its tests or CI depends on it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=benchmarks/.llama.cpp
@@ -60,7 +64,8 @@ fi
 
 if [ ! -f "$SRC/build/CMakeCache.txt" ]; then
     cmake -S "$SRC" -B "$SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-        -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF
+        -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+        "-DCMAKE_C_FLAGS=${LLAMA_CPP_CFLAGS:-}" "-DCMAKE_CXX_FLAGS=${LLAMA_CPP_CFLAGS:-}"
 fi
 cmake --build "$SRC/build" -j "$(nproc)" --target "${TARGETS[@]}"
 built || { echo "build finished but $BIN lacks one of ${TARGETS[*]}" >&2; exit 1; }
