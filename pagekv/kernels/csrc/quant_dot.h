@@ -220,8 +220,12 @@ static Int8Rows round_rows(const float* x, long M, long K, int threads) {
     #pragma omp parallel for num_threads(threads) if(M * K >= 65536)
     for (long g = 0; g < groups; ++g) {  // K is a multiple of the group: group g at g * 32
         const float* xg = x + g * DOT_GROUP;
-        float amax = 0.f;
-        for (int i = 0; i < DOT_GROUP; ++i) amax = std::fmax(amax, std::fabs(xg[i]));
+        VF largest = VF::zero();  // |x| lane by lane; max(a, b) is b where a is NaN
+        for (int i = 0; i < DOT_GROUP; i += VF::W) {
+            const VF v = VF::load(xg + i);
+            largest = max(max(v, VF::zero() - v), largest);
+        }
+        const float amax = largest.reduce_max();
         const float inverse = amax > 0.f ? 127.f / amax : 0.f;
         int sum = 0;
         for (int i = 0; i < DOT_GROUP; ++i) {
