@@ -3,10 +3,11 @@ transformers running the same weights in bf16, one prompt at a time.
 
 Two bf16 implementations round differently (pagekv keeps RoPE and the decode softmax in
 float32; transformers rounds RoPE to bf16), so exact equality is not the contract. The rule:
-walk the tokens; while they agree, our logprob of each token must be close to the reference's;
-at the first difference our token's reference logit must be within ``BF16_TIE_MARGIN`` of the
-reference's best (a near tie, which either implementation may break either way); after it the
-sequences legitimately diverge, so stop comparing.
+walk the tokens; while they agree, our logprob of each token must be close to the reference's
+(each within a loose bound, and all of them close on average); at the first difference our
+token's reference logit must be within ``BF16_TIE_MARGIN`` of the reference's best (a near tie,
+which either implementation may break either way); after it the sequences legitimately
+diverge, so stop comparing.
 
 Near ties are common in bf16: measured on these prompts, transformers bf16 itself leaves its own
 float32 greedy path after 8-61 tokens on 4 of 8 prompts, every time at a margin <= 0.25. So the
@@ -35,9 +36,13 @@ from pagekv.runner.model_runner import AttentionBackend
 pytestmark = pytest.mark.model
 
 # Logits of this model sit around 10-30, where one bf16 step is 0.0625-0.125; two bf16
-# pipelines differ by a few steps there.
+# pipelines differ by a few steps there. A logprob is a logit less the log-sum-exp, so one token's
+# logprob may differ by as much as a logit: at a low-confidence token (p near 0.2) a few in a
+# thousand do, on every kernel target, while most differ by a step or less. The mean over all
+# compared tokens is what a systematic error (a wrong scale, a lost rounding) moves.
 BF16_TIE_MARGIN = 0.5
-BF16_LOGPROB_TOL = 0.25
+BF16_LOGPROB_TOL = 0.5
+BF16_MEAN_LOGPROB_TOL = 0.05
 MIN_COMPARED_FRACTION = 0.25  # of all tokens, compared before the first legitimate tie
 
 
@@ -108,17 +113,23 @@ def agreed_tokens(
     refs: list[Reference],
     tie_margin: float = BF16_TIE_MARGIN,
     logprob_tol: float = BF16_LOGPROB_TOL,
+    mean_logprob_tol: float = BF16_MEAN_LOGPROB_TOL,
 ) -> int:
     """``agreeing_prefix`` summed over the completions (each NUM_NEW_TOKENS long, with the
-    logprob of every token) against their references."""
-    agreed = 0
+    logprob of every token) against their references; fails unless the compared tokens'
+    logprobs are within ``mean_logprob_tol`` of the reference's on average."""
+    deviations: list[float] = []
     for out, ref in zip(outs, refs, strict=True):
         completion = out.outputs[0]
         tokens = completion.token_ids
         assert len(tokens) == NUM_NEW_TOKENS and completion.logprobs is not None
         logprobs = [completion.logprobs[j][t] for j, t in enumerate(tokens)]
-        agreed += agreeing_prefix(tokens, logprobs, ref, tie_margin, logprob_tol)
-    return agreed
+        agreed = agreeing_prefix(tokens, logprobs, ref, tie_margin, logprob_tol)
+        deviations += [abs(logprobs[j] - float(ref.logprobs[j, tokens[j]])) for j in range(agreed)]
+    mean = sum(deviations) / max(len(deviations), 1)
+    print(f"mean logprob deviation {mean:.4f} over {len(deviations)} tokens")
+    assert mean < mean_logprob_tol, f"mean logprob deviation {mean:.4f} >= {mean_logprob_tol}"
+    return len(deviations)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.model
 # The rounded activations move this model's logits (around 10-30) by up to a few tenths.
 INT8_TIE_MARGIN = 0.75
 INT8_LOGPROB_TOL = 0.5
+INT8_MEAN_LOGPROB_TOL = 0.075
 MIN_COMPARED_FRACTION = 0.35  # of all tokens, compared before the first legitimate tie
 
 
@@ -90,7 +91,9 @@ def test_int8_greedy_near_transformers_float32(
     ids = [own_model.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
-    agreed = agreed_tokens(outs, reference_f32, INT8_TIE_MARGIN, INT8_LOGPROB_TOL)
+    agreed = agreed_tokens(
+        outs, reference_f32, INT8_TIE_MARGIN, INT8_LOGPROB_TOL, INT8_MEAN_LOGPROB_TOL
+    )
     total = NUM_NEW_TOKENS * len(PROMPTS)
     print(f"int8 golden, block {block_size}: {agreed}/{total} tokens agree before a near tie")
     assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"
