@@ -49,6 +49,19 @@ def port_open(port: int) -> bool:
         return False
 
 
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of each thread of a process (R, S, D, T, ...)."""
+    tasks = Path(f"/proc/{pid}/task")
+    states = []
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        states.append(stat.rpartition(")")[2].split()[0])
+    return states
+
+
 class ServerProcess:
     """One server subprocess on a fixed port; can be SIGKILLed and restarted on the same port."""
 
@@ -87,9 +100,16 @@ class ServerProcess:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
 
-    def pause(self) -> None:
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP, as a hung server; returns once every thread is stopped (the stop is
+        asynchronous: a thread may still answer a request sent right after the signal)."""
         assert self.proc is not None
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not all(state in "Tt" for state in thread_states(self.proc.pid)):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.name} (pid {self.proc.pid}) did not stop on SIGSTOP")
+            time.sleep(0.01)
 
     def resume(self) -> None:
         assert self.proc is not None
