@@ -21,6 +21,7 @@ lint:
 	$(PY) -m ruff format --check pagekv tests benchmarks
 	$(PY) -m mypy pagekv
 	$(PY) -m pagekv.kernels.check
+	$(PY) -m pagekv.kernels.triton_check
 
 # Mooncake store clients listen on all interfaces: where we may (root, as in CI), the tests run
 # in a private network namespace with only loopback up; elsewhere as they are.

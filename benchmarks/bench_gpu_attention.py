@@ -5,6 +5,8 @@
     python benchmarks/bench_gpu_attention.py --smoke    # tiny shapes, any machine (CPU tensors
                                                         # in Triton's interpreter): checks the
                                                         # script, measures nothing
+    python benchmarks/bench_gpu_attention.py --sweep    # also every launch (keys per tile,
+                                                        # warps, pipeline stages) per shape
 
 Per shape: the median time of each, their ratio, and the bandwidth the paged kernel reaches
 (K and V bytes read / time) against the device's peak (``--peak-gbs``; default: H200, 4800).
@@ -14,6 +16,7 @@ Physical blocks are a random permutation, so the table really scatters the reads
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -45,7 +48,17 @@ def _time(fn, device: torch.device, repeats: int) -> float:  # type: ignore[no-u
     return statistics.median(times)
 
 
-def run_shape(batch: int, context: int, device: torch.device, repeats: int) -> dict[str, float]:
+SWEEP = [
+    triton_attention.Launch(block_n=n, num_warps=w, num_stages=s)
+    for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
+]
+
+
+def run_shape(
+    batch: int, context: int, device: torch.device, repeats: int, launches: list
+) -> list[dict[str, float]]:
+    """One row per launch: the paged kernel's time, SDPA's, the paged kernel's GB/s and its
+    largest difference from SDPA."""
     dtype = torch.bfloat16
     blocks_per_seq = context // BLOCK
     num_blocks = batch * blocks_per_seq
@@ -63,9 +76,9 @@ def run_shape(batch: int, context: int, device: torch.device, repeats: int) -> d
     v = v_cache[tables.long()].reshape(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
     k, v = k.contiguous(), v.contiguous()
 
-    def paged() -> torch.Tensor:
+    def paged(launch: triton_attention.Launch) -> torch.Tensor:
         return triton_attention.paged_attention(
-            q, k_cache, v_cache, tables, seq_lens, starts, 1, scale
+            q, k_cache, v_cache, tables, seq_lens, starts, 1, scale, launch=launch
         )
 
     def sdpa() -> torch.Tensor:
@@ -74,10 +87,19 @@ def run_shape(batch: int, context: int, device: torch.device, repeats: int) -> d
         )
 
     expected = sdpa()[:, :, 0].float()
-    error = float((paged().float() - expected).abs().max())
-    t_paged, t_sdpa = _time(paged, device, repeats), _time(sdpa, device, repeats)
+    t_sdpa = _time(sdpa, device, repeats)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * dtype.itemsize
-    return {"paged_s": t_paged, "sdpa_s": t_sdpa, "gbs": kv_bytes / t_paged / 1e9, "err": error}
+    rows = []
+    for launch in launches:
+        error = float((paged(launch).float() - expected).abs().max())
+        t_paged = _time(lambda launch=launch: paged(launch), device, repeats)
+        gbs = kv_bytes / t_paged / 1e9
+        rows.append({"paged_s": t_paged, "sdpa_s": t_sdpa, "gbs": gbs, "err": error})
+    return rows
+
+
+def _describe(launch: triton_attention.Launch) -> str:
+    return f"{launch.block_n} keys, {launch.num_warps} warps, {launch.num_stages} stages"
 
 
 def main() -> int:
@@ -85,24 +107,32 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; measures nothing")
     parser.add_argument("--peak-gbs", type=float, default=4800.0, help="the device's bandwidth")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sweep", action="store_true", help="every launch in SWEEP per shape")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     shapes = [(2, 64)] if args.smoke else [(b, c) for b in (64, 256) for c in (512, 2048, 8192)]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
     print(f"device: {name}; bf16; {HEADS} heads over {KV_HEADS} KV heads, head_dim {HEAD_DIM}")
-    print("| batch | context | paged (ms) | SDPA (ms) | paged / SDPA | GB/s | of peak | max err |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| batch | context | launch | paged (ms) | SDPA (ms) | paged / SDPA | GB/s | of peak "
+          "| max err |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    failed = False
     for batch, context in shapes:
-        r = run_shape(batch, context, device, 1 if args.smoke else args.repeats)
-        print(
-            f"| {batch} | {context} | {r['paged_s'] * 1e3:.3f} | {r['sdpa_s'] * 1e3:.3f} | "
-            f"{r['paged_s'] / r['sdpa_s']:.2f}x | {r['gbs']:.0f} | "
-            f"{r['gbs'] / args.peak_gbs:.0%} | {r['err']:.3f} |"
-        )
-        if r["err"] > 0.05:
-            print(f"paged attention differs from SDPA by {r['err']}", file=sys.stderr)
-            return 1
-    return 0
+        launches = [triton_attention.Launch.for_step(1, context)]  # the runner's choice first
+        if args.sweep:
+            launches += [x for x in SWEEP if x not in launches]
+        rows = run_shape(batch, context, device, 1 if args.smoke else args.repeats, launches)
+        for launch, r in zip(launches, rows, strict=True):
+            print(
+                f"| {batch} | {context} | {_describe(launch)} | {r['paged_s'] * 1e3:.3f} | "
+                f"{r['sdpa_s'] * 1e3:.3f} | {r['paged_s'] / r['sdpa_s']:.2f}x | {r['gbs']:.0f} | "
+                f"{r['gbs'] / args.peak_gbs:.0%} | {r['err']:.3f} |",
+                flush=True,
+            )
+            if r["err"] > 0.05:
+                print(f"{_describe(launch)}: differs from SDPA by {r['err']}", file=sys.stderr)
+                failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -28,11 +28,17 @@ pytestmark = [
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_equals_transformers_on_the_gpu(hf_model: Any, dtype: str) -> None:
-    config = EngineConfig(
-        device="cuda", dtype=dtype, max_num_batched_tokens=64, check_invariants=True
+    config = EngineConfig(  # a bounded pool: the other dtype's engine may still hold its own
+        device="cuda",
+        dtype=dtype,
+        num_kv_blocks=256,
+        max_num_batched_tokens=64,
+        check_invariants=True,
     )
     engine = LLMEngine(config)
     assert engine.runner.kv.k[0].device.type == "cuda"
+    assert engine.runner.system_line.startswith("GPU: ")
+    assert "decode attention Triton" in engine.runner.system_line
     llm = LLM.from_engine(engine)
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)

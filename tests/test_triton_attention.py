@@ -96,6 +96,26 @@ def test_long_prefill_spans_several_query_tiles() -> None:
     torch.testing.assert_close(_triton(case), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(
+    "launch", [triton_attention.SHORT_DECODE, triton_attention.LONG_DECODE], ids=str
+)
+def test_decode_launches_match_the_reference(launch: triton_attention.Launch) -> None:
+    """The runner's decode launches: tiles of keys spanning several blocks, the last one
+    partial, histories shorter than one tile."""
+    case = _make_case(11, 16, torch.float32, lens=[(300, 1), (130, 1), (17, 1), (1, 1)])
+    expected = paged_attention_reference(case.q, case.k_cache, case.v_cache, case.meta, SCALE)
+    torch.testing.assert_close(_triton(case, launch=launch), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_launch_for_each_step() -> None:
+    for_step = triton_attention.Launch.for_step
+    assert for_step(48, 4096) == triton_attention.DEFAULT_LAUNCH  # prefill chunks in the step
+    assert for_step(1, 1024) == triton_attention.SHORT_DECODE
+    assert for_step(1, 1025) == triton_attention.LONG_DECODE
+    with pytest.raises(ValueError, match="block_n"):
+        triton_attention.Launch(block_n=48)
+
+
 @pytest.mark.parametrize("window", [1, 5, 9])
 def test_sliding_window_never_reads_the_blocks_it_may_free(window: int) -> None:
     freed = 0

@@ -62,6 +62,19 @@ def describe(
     return info
 
 
+def describe_gpu(device: torch.device) -> dict[str, str]:
+    """The kernels of a runner on a CUDA GPU: the Triton kernels attend, torch (cuBLAS) runs
+    the layers."""
+    return {
+        "gpu": torch.cuda.get_device_name(device),
+        "cuda": str(torch.version.cuda),
+        "decode_attention": "Triton",
+        "prefill_attention": "Triton",
+        "layer_ops": "torch",
+        "matmul": "torch",
+    }
+
+
 def describe_weights(model: LlamaForCausalLM) -> dict[str, str]:
     """How the model's weights are kept, and the bytes they take in memory (the copies the
     ops multiply where they made one of their own) and in the file (GGUF blocks only)."""
@@ -84,9 +97,13 @@ def describe_weights(model: LlamaForCausalLM) -> dict[str, str]:
 
 def line(info: dict[str, str], dtype: torch.dtype) -> str:
     dtype_name = str(dtype).removeprefix("torch.")
+    if "gpu" in info:
+        where = f"GPU: {info['gpu']} (CUDA {info['cuda']})"
+    else:
+        where = f"CPU: {info['cpu']} ({info['cpu_features']})"
+        where += f"; kernel target {info['kernel_target']}"
     text = (
-        f"CPU: {info['cpu']} ({info['cpu_features']}); kernel target {info['kernel_target']}; "
-        f"{dtype_name}: decode attention {info['decode_attention']}, prefill attention "
+        f"{where}; {dtype_name}: decode attention {info['decode_attention']}, prefill attention "
         f"{info['prefill_attention']}, layer ops {info['layer_ops']}, matmuls {info['matmul']}"
     )
     if "weights" in info:

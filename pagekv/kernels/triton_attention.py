@@ -23,13 +23,14 @@ Must not import ``pagekv.core``, ``models`` or ``server``.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-NEG_INF = float("-inf")
+NEG_INF = tl.constexpr(float("-inf"))  # a kernel reads only constexpr globals
 NO_WINDOW = 2**30  # a window no sequence reaches: every key is inside it
 
 
@@ -81,14 +82,15 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
 @triton.jit
 def _key_tile(
     q, m_i, l_i, acc, caches, slot, keys, key_ok, pos, dims, dim_ok, scale, softcap, window,
-    SOFTCAP: tl.constexpr, FLOAT32_DOTS: tl.constexpr,
+    SOFTCAP: tl.constexpr, FLOAT32_DOTS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys into the running softmax: returns the new (max, sum, P @ V)."""
     kv_mask = key_ok[:, None] & dim_ok[None, :]
     k = tl.load(caches[0] + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if FLOAT32_DOTS:
         k = k.to(tl.float32)
-    s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32) * scale  # [M, N]
+    s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION)
+    s = s * scale  # [M, N]
     if SOFTCAP:  # tanh through exp: 1 - 2 / (e^(2x) + 1)
         s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
     see = key_ok[None, :] & (keys[None, :] <= pos[:, None])
@@ -100,7 +102,8 @@ def _key_tile(
     v = tl.load(caches[1] + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if FLOAT32_DOTS:
         v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+    pv = tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + pv
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
@@ -116,7 +119,7 @@ def _paged_attention_kernel(
     stride_bt,  # between rows of the block table
     block_size,
     SOFTCAP: tl.constexpr,
-    FLOAT32_DOTS: tl.constexpr,  # widen K/V before the dots (see _float32_dots)
+    FLOAT32_DOTS: tl.constexpr, PRECISION: tl.constexpr,  # see _float32_dots, _precision
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
@@ -159,7 +162,7 @@ def _paged_attention_kernel(
             slot = block * stride_cb + (keys % block_size) * stride_cs  # [N]
             m_i, l_i, acc = _key_tile(
                 q, m_i, l_i, acc, caches, slot, keys, key_ok, pos, dims, dim_ok, scale, softcap,
-                window, SOFTCAP, FLOAT32_DOTS,
+                window, SOFTCAP, FLOAT32_DOTS, PRECISION,
             )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
@@ -167,10 +170,46 @@ def _paged_attention_kernel(
         tl.store(o_ptr + o_rows[:, None] + dims[None, :], out, mask=io_mask)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How ``paged_attention`` launches its kernel: keys per tile, warps per program, and the
+    software pipeline's depth (the loads of the next tiles in flight while one is computed)."""
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's own default on NVIDIA GPUs
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+
+    @staticmethod
+    def for_step(max_query_len: int, max_seq_len: int) -> Launch:
+        """The launch for a step's shape, as measured on an H200 (``bench_gpu_attention.py
+        --sweep``): decodes stream long histories best in wide tiles with more warps and a
+        deeper pipeline, short ones in narrow tiles; prefill chunks keep the default."""
+        if max_query_len > 1:
+            return DEFAULT_LAUNCH
+        return LONG_DECODE if max_seq_len > LONG_HISTORY_TOKENS else SHORT_DECODE
+
+
+DEFAULT_LAUNCH = Launch()
+SHORT_DECODE = Launch(block_n=32, num_warps=4, num_stages=4)
+LONG_DECODE = Launch(block_n=128, num_warps=8, num_stages=4)
+LONG_HISTORY_TOKENS = 1024
+
+
 def _float32_dots(dtype: torch.dtype) -> bool:
     """Whether the dots widen bf16 K/V to float32 first: only in the interpreter, whose
     bf16 dot is wrong (numpy has no bf16); a GPU multiplies bf16 tiles in its tensor cores."""
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """float32 caches multiply in full float32 ("ieee"): a GPU's default for float32 dots is
+    TF32, whose 10-bit mantissa would part the float32 engine from the reference. bf16 and
+    fp16 tiles multiply exactly in the tensor cores whatever this says."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def paged_attention(
@@ -185,6 +224,7 @@ def paged_attention(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    launch: Launch = DEFAULT_LAUNCH,
 ) -> Tensor:
     """q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] with unit stride in D;
     block_tables: int [B, max_blocks]; seq_lens: int [B] (after this step); query_start_loc:
@@ -202,31 +242,20 @@ def paged_attention(
     block_m = 16 if rows <= 16 else 64  # tl.dot takes at least 16 rows
     grid = (seq_lens.shape[0], num_kv_heads, triton.cdiv(rows, block_m))
     _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        softcap or 1.0,
-        NO_WINDOW if window is None else window,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        k_cache.shape[1],
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        scale, softcap or 1.0, NO_WINDOW if window is None else window,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), k_cache.shape[1],
         SOFTCAP=softcap is not None,
         FLOAT32_DOTS=_float32_dots(k_cache.dtype),
+        PRECISION=_precision(k_cache.dtype),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
-        BLOCK_N=32,
-    )
+        BLOCK_N=launch.block_n,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )  # fmt: skip
     return out

@@ -159,6 +159,8 @@ class ModelRunner:
 
     def _kernels(self, attention: AttentionBackend) -> dict[str, str]:
         """Which kernel runs each part of a step here (``kernels.report``)."""
+        if self.on_gpu:
+            return {**report.describe_gpu(self.device), **report.describe_weights(self.model)}
         fast = attention is AttentionBackend.FAST
         ops = self.model.ops if isinstance(self.model.ops, fused_ops.FusedOps) else None
         first = self.model.packed_weight(0, "qkv_proj")
@@ -295,13 +297,14 @@ class ModelRunner:
             for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)
         )
         slots, kv = meta.slot_mapping.to(self.device), self.kv
+        launch = triton_attention.Launch.for_step(meta.max_query_len, meta.max_seq_len)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             caches = (kv.k[layer], kv.v[layer])
             triton_attention.write_kv(*caches, k, v, slots)
             return triton_attention.paged_attention(
                 q, *caches, tables, seq_lens, starts, meta.max_query_len, self.scale,
-                window=self.windows[layer], softcap=self.softcap,
+                window=self.windows[layer], softcap=self.softcap, launch=launch,
             )  # fmt: skip
 
         return attend
