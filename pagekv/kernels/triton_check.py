@@ -28,41 +28,27 @@ from pagekv.kernels import triton_attention as ta
 # compute capability -> shared memory a block may take (bytes)
 ARCHS = {80: 166_912, 90: 232_448}
 POINTERS = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}
-INTS = [
-    "window",
-    "stride_qt",
-    "stride_qh",
-    "stride_ot",
-    "stride_oh",
-    "stride_cb",
-    "stride_cs",
-    "stride_ch",
-    "stride_bt",
-    "block_size",
-]
-CONSTANTS = [
-    "SOFTCAP",
-    "FLOAT32_DOTS",
-    "PRECISION",
-    "GROUP",
-    "HEAD_DIM",
-    "BLOCK_D",
-    "BLOCK_M",
-    "BLOCK_N",
-]
+# Arguments whose type is not the rule's (any other *_ptr: the caches' dtype; the rest: i32).
+TYPES = {
+    "block_table_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "query_start_ptr": "*i32",
+    "slot_ptr": "*i64",
+    "scale": "fp32",
+    "softcap": "fp32",
+}
 
 
-def _attention_signature(pointer: str) -> dict[str, str]:
-    signature = {name: pointer for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "o_ptr")}
-    signature |= {n: "*i32" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_ptr")}
-    signature |= {"scale": "fp32", "softcap": "fp32"}
-    return signature | dict.fromkeys(INTS, "i32") | dict.fromkeys(CONSTANTS, "constexpr")
-
-
-def _write_kv_signature(pointer: str) -> dict[str, str]:
-    signature = {n: pointer for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")}
-    signature |= {"slot_ptr": "*i64", "stride_new": "i32", "stride_slot": "i32"}
-    return signature | {"WIDTH": "constexpr", "BLOCK": "constexpr"}
+def signature(fn: object, pointer: str) -> dict[str, str]:
+    """``fn``'s argument types, read off its parameters: a new argument needs no entry here."""
+    types = {}
+    for param in fn.params:  # type: ignore[attr-defined]
+        if param.is_constexpr:
+            types[param.name] = "constexpr"
+        else:
+            default = pointer if param.name.endswith("_ptr") else "i32"
+            types[param.name] = TYPES.get(param.name, default)
+    return types
 
 
 def attention_cases() -> list[tuple[str, dict[str, object], ta.Launch]]:
@@ -102,19 +88,25 @@ def main() -> int:
     failed = total = 0
     for arch, limit in ARCHS.items():
         jobs = [
-            (ta._paged_attention_kernel, _attention_signature(POINTERS[d]), c, launch, d)
+            (
+                ta._paged_attention_kernel,
+                signature(ta._paged_attention_kernel, POINTERS[d]),
+                c,
+                launch,
+                d,
+            )
             for d, c, launch in attention_cases()
         ]
         jobs += [
-            (ta._write_kv_kernel, _write_kv_signature(POINTERS[d]), {"WIDTH": 192, "BLOCK": 256},
-             ta.DEFAULT_LAUNCH, d)
+            (ta._write_kv_kernel, signature(ta._write_kv_kernel, POINTERS[d]),
+             {"WIDTH": 192, "BLOCK": 256}, ta.DEFAULT_LAUNCH, d)
             for d in POINTERS
         ]  # fmt: skip
-        for fn, signature, constants, launch, dtype in jobs:
+        for fn, types, constants, launch, dtype in jobs:
             total += 1
             what = f"{fn.__name__} [sm_{arch}, {dtype}, {launch}, {constants}]"
             try:
-                shared = _compile(fn, signature, constants, arch, launch)
+                shared = _compile(fn, types, constants, arch, launch)
             except Exception as error:  # any compiler error is this check's finding
                 failed += 1
                 print(f"FAIL {what}\n{error}", file=sys.stderr)
