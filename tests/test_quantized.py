@@ -87,8 +87,8 @@ def test_packed_stripes_hold_gguf_weights_exactly(ops: fused_ops.FusedOps, qtype
     weight = quantized([qtype], 64)
     packed = ops.pack(weight)
     assert isinstance(packed, PackedQuant)
-    back = ops.quant.columns(packed, np.arange(64))
-    assert np.array_equal(back, weight.dequantize())
+    back = ops.packed_rows(packed, torch.arange(64))
+    assert back is not None and np.array_equal(back.numpy(), weight.dequantize())
 
 
 def test_mixed_segments_are_runs_and_multiply_right(ops: fused_ops.FusedOps) -> None:
@@ -100,8 +100,12 @@ def test_mixed_segments_are_runs_and_multiply_right(ops: fused_ops.FusedOps) -> 
     dense = torch.from_numpy(weight.dequantize())
     x = torch.randn(5, WIDTH)
     assert_float32_product(ops.linear(x, weight, packed, None), x, dense)
-    ids = np.array([0, 70, 100, 127, 31])
-    assert np.array_equal(ops.quant.columns(packed, ids), weight.dequantize()[ids])
+    ids = torch.tensor([0, 70, 100, 127, 31])
+    back = ops.packed_rows(packed, ids)
+    assert back is not None and np.array_equal(back.numpy(), weight.dequantize()[ids.numpy()])
+    for bad in (-1, 128):  # outside every run: an error, not another row's numbers
+        with pytest.raises(IndexError, match="outside"):
+            ops.packed_rows(packed, torch.tensor([3, bad]))
 
 
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)

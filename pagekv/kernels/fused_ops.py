@@ -211,6 +211,10 @@ class FusedOps:
             return out if bias is None else out.add_(bias)
         return self.dense.linear(x, weight, packed, bias, _threads())
 
+    def packed_rows(self, packed: layer_ops.Packed, ids: torch.Tensor) -> torch.Tensor | None:
+        """Quantized stripes' rows, exactly (``QuantKernels.rows``); None for other layouts."""
+        return self.quant.rows(packed, ids) if isinstance(packed, PackedQuant) else None
+
     def attention_inputs(
         self,
         x: torch.Tensor | None,

@@ -153,20 +153,13 @@ class QuantKernels:
                 raise ValueError(f"quantized linear declined {rows} x {width} @ {run}")
         return out
 
-    def columns(self, packed: PackedQuant, ids: np.ndarray) -> np.ndarray:
-        """Rows ``ids`` of the weight [out, in] as float32, read back from the stripes."""
-        width = packed.shape[1]
-        ids = np.asarray(ids, dtype=np.int64)
-        out = np.empty((len(ids), width), dtype=np.float32)
-        for run in packed.runs:
-            mine = np.flatnonzero((ids >= run.first) & (ids < run.first + run.columns))
-            if not len(mine):
-                continue
-            local = np.ascontiguousarray(ids[mine] - run.first)
-            got = np.empty((len(mine), width), dtype=np.float32)
-            base = packed.data.data_ptr() + run.offset
-            args = (base, local.ctypes.data, len(local), got.ctypes.data, width)
-            if self._lib.quant_columns(*run.format.key(), *args) != 0:
-                raise ValueError(f"quant_columns declined {run}")
-            out[mine] = got
+    def rows(self, packed: PackedQuant, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (int64 [n]) of the weight [out, in] as float32 [n, in], read back from
+        the stripes in one call (an embedding lookup each step)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty((ids.shape[0], packed.shape[1]), dtype=torch.float32)
+        table, data = packed.addresses
+        args = (table, data, ids.data_ptr(), ids.shape[0], out.data_ptr(), packed.shape[1])
+        if self._lib.quant_rows(*args) != 0:
+            raise IndexError(f"quantized rows: an id outside [0, {packed.shape[0]})")
         return out

@@ -171,6 +171,12 @@ class LayerOps(Protocol):
         object's ``pack`` made of weight, or None."""
         ...
 
+    def packed_rows(self, packed: Packed, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``ids`` (int64 [T]) of the weight ``packed`` was made of, float32 [T, in],
+        read back from the packed copy (the same numbers: an embedding lookup of a tied head
+        without the file's blocks); None where this object's layout cannot."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, hidden] -> a new [T, hidden]: ``rms_norm`` above."""
         ...
@@ -295,6 +301,9 @@ class TorchOps:
 
     pack = staticmethod(pack)
     linear = staticmethod(linear)
+
+    def packed_rows(self, packed: Packed, ids: torch.Tensor) -> torch.Tensor | None:
+        return None  # oneDNN's copies are not read back
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

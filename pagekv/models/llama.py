@@ -269,8 +269,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.embed_tokens
-        if isinstance(table, QuantizedWeight):  # the rows dequantized, exactly
-            rows = torch.from_numpy(table.rows(input_ids.numpy()))
+        if isinstance(table, QuantizedWeight):  # the rows dequantized, exactly: from a tied
+            tied = self.lm_head is None  # head's packed copy where the ops read it back
+            rows = self.ops.packed_rows(self.packed_head, input_ids) if tied else None
+            rows = torch.from_numpy(table.rows(input_ids.numpy())) if rows is None else rows
             return rows.to(self.norm.dtype)
         return F.embedding(input_ids, table)
 

@@ -362,12 +362,33 @@ int quant_pack(int bits, int group, int superblock, int offsets, int zero, const
         return 0;
     });
 }
-int quant_columns(int bits, int group, int superblock, int offsets, int zero,
-                  const void* packed, const int64_t* ids, long n, float* out, long K) {
-    return with_quant_format(bits, group, superblock, offsets, zero, [&](auto f) {
-        quant_columns<decltype(f)>((const uint8_t*)packed, ids, n, out, K);
-        return 0;
-    });
+// A weight's runs as the C layer halves read them (kernels/quant.py's PackedQuant.runs_table):
+// [count, then per run bits, group, superblock, offsets, zero, first column, columns, byte
+// offset, dots].
+static const long RUN_LONGS = 9;
+
+int quant_rows(const long* runs, const void* packed, const int64_t* ids, long n, float* out,
+               long K) {
+    std::vector<const long*> run_of(n, nullptr);  // each id's run, all checked first
+    for (long i = 0; i < n; ++i)
+        for (long r = 0; r < runs[0]; ++r) {
+            const long* d = runs + 1 + RUN_LONGS * r;
+            if (ids[i] >= d[5] && ids[i] < d[5] + d[6]) run_of[i] = d;
+        }
+    for (long i = 0; i < n; ++i)
+        if (run_of[i] == nullptr || K % run_of[i][2] != 0) return -1;
+    int failed = 0;
+    #pragma omp parallel for reduction(| : failed) if(n * K >= 65536)
+    for (long i = 0; i < n; ++i) {
+        const long* d = run_of[i];
+        failed |= with_quant_format(int(d[0]), int(d[1]), int(d[2]), int(d[3]), int(d[4]),
+                                    [&](auto f) {
+                                        quant_column<decltype(f)>((const uint8_t*)packed + d[7],
+                                                                  ids[i] - d[5], out + i * K, K);
+                                        return 0;
+                                    });
+    }
+    return failed ? -1 : 0;
 }
 #if defined(__AVX512BF16__)
 // GGUF weights against a batch of bfloat16 rows: each 32-column stripe dequantized once into
@@ -523,11 +544,8 @@ struct DenseDecodeMatmul {
 #endif
 };
 
-// A GGUF weight in quantized stripes: `runs` is [count, then per run bits, group, superblock,
-// offsets, zero, first column, columns, byte offset, dots] (kernels/quant.py's
-// PackedQuant.runs_table).
+// A GGUF weight in quantized stripes, in runs (RUN_LONGS above).
 struct QuantDecodeMatmul {
-    static const long RUN_LONGS = 9;
     const long* runs;
     const uint8_t* packed;
     bool fits(long M, long K, long N) const {

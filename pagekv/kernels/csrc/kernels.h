@@ -104,14 +104,15 @@ int stripes_linear_bf16(const void* x, const void* packed, void* out, long M, lo
 // quant_pack takes the decoded form (pagekv/models/quantized.py); quant_linear_*: out [M, N],
 // row stride ldo >= N (a slice of a wider output), activations float32 or bfloat16, with
 // `dots` rounded to int8 and multiplied by integer dot products where the format has them
-// (quant_dot.h); quant_columns: columns `ids` of the weight, float32 [n, K].
+// (quant_dot.h); quant_rows: rows `ids` of the weight [N, K] in runs (fused_ops.cpp's
+// RUN_LONGS), float32 [n, K], -1 (nothing written) for an id outside every run.
 long quant_packed_bytes(int bits, int group, int superblock, int offsets, int zero, long N,
                         long K);
 int quant_pack(int bits, int group, int superblock, int offsets, int zero, const uint8_t* q,
                const uint16_t* d, const uint16_t* dm, const uint8_t* sc, const uint8_t* mk,
                void* packed, long N, long K);
-int quant_columns(int bits, int group, int superblock, int offsets, int zero,
-                  const void* packed, const int64_t* ids, long n, float* out, long K);
+int quant_rows(const long* runs, const void* packed, const int64_t* ids, long n, float* out,
+               long K);
 int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero, int dots,
                      const void* x, const void* packed, void* out, long M, long K, long N,
                      long ldo, int threads);

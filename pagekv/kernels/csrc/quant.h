@@ -136,26 +136,21 @@ static void quant_pack(const uint8_t* q, const uint16_t* d, const uint16_t* dm,
         }
 }
 
-// Columns `ids` of packed stripes, dequantized into out [n, K] float32: the kernel's own
-// weights, for the embedding and for tests.
+// Column `c` of packed stripes, dequantized into out [K] float32: the kernel's own weights
+// (an embedding lookup of a tied head; tests).
 template <class F>
-static void quant_columns(const uint8_t* packed, const int64_t* ids, long n, float* out,
-                          long K) {
-    const QuantStripes<F> stripes{packed, K};
-    #pragma omp parallel for if(n * K >= 65536)
-    for (long i = 0; i < n; ++i) {
-        const auto src = stripes.at(ids[i] / STRIPE);
-        const int c = int(ids[i] % STRIPE);
-        float w[STRIPE];
-        for (long k0 = 0; k0 < K; k0 += F::GROUP) {
-            const auto group = src.group(k0);
-            for (int kk = 0; kk < F::GROUP; ++kk) {
-                VF w0, w1;
-                group.weights(kk, w0, w1);
-                w0.store(w);
-                w1.store(w + VF::W);
-                out[i * K + k0 + kk] = w[c];
-            }
+static void quant_column(const uint8_t* packed, long c, float* out, long K) {
+    const auto src = QuantStripes<F>{packed, K}.at(c / STRIPE);
+    const int lane = int(c % STRIPE);
+    float w[STRIPE];
+    for (long k0 = 0; k0 < K; k0 += F::GROUP) {
+        const auto group = src.group(k0);
+        for (int kk = 0; kk < F::GROUP; ++kk) {
+            VF w0, w1;
+            group.weights(kk, w0, w1);
+            w0.store(w);
+            w1.store(w + VF::W);
+            out[k0 + kk] = w[lane];
         }
     }
 }

@@ -197,9 +197,6 @@ static constexpr bool has_dots() {
 }
 // rows of a pass: two int32 and two float32 sums each in registers, beside the quads
 static const int DOT_ROWS = VF::REGS >= 32 ? 4 : 2;
-static const long DOT_PREFETCH = 2048;  // bytes ahead in the stripe
-template <class F>
-static constexpr long GROUP_BYTES = F::SUPER_BYTES * F::GROUP / F::SUPER;  // on average
 
 // x [M, K] rounded per group: q [M, K], and per group its scale a and a * sum(q).
 struct Int8Rows {
@@ -250,10 +247,8 @@ static inline void dot_block(const Int8Rows& x, long m0, const QuantStripe<F>& s
     const VF bias = VF::set1(float(DOT_BIAS<F::BITS>));
     for (long g = 0; g < groups; ++g) {
         const auto group = src.group(g * DOT_GROUP);
-        // the stripe's bytes DOT_PREFETCH ahead asked for now: a few rows' dependent dot
-        // products leave too few loads in flight to cover memory's latency by themselves
-        for (long b = 0; b < GROUP_BYTES<F>; b += 64)
-            __builtin_prefetch(group.rows + DOT_PREFETCH + b, 0, 3);
+        // no software prefetch: a thread reads its stripes front to back, which the hardware
+        // prefetchers follow; requests of its own only took load slots from the dot products
         // P chains of dot products per sum, quads j = p, p + P, ...: with few rows one chain
         // would wait on each dot product's latency; int32 sums are exact in any order, so the
         // chains change no bit
