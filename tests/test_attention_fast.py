@@ -432,6 +432,34 @@ def test_kernel_attends_several_query_tokens_of_a_sequence(
         KERNEL(q[:-1], k_cache, v_cache, batch, SCALE)
 
 
+@pytest.mark.skipif(KERNEL is None, reason="no C++ compiler: the kernel is optional")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [([1], [333]), ([1, 4], [17, 290])])
+def test_threads_sharing_a_sequence_change_no_bit(
+    dtype: torch.dtype, heads: tuple[int, int], query_lens: list[int], seq_lens: list[int]
+) -> None:
+    """With fewer sequences than threads, the threads share each sequence (its positions, rows
+    and value dims); with more, each takes whole ones. Every thread count gives the bits of
+    one thread, log-sum-exps and a history from ``start`` included."""
+    assert KERNEL is not None
+    q, k_cache, v_cache, batch = _drafted_decodes(11, dtype, heads, query_lens, seq_lens)
+    start = 16  # below every sequence's first query position
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4, 6):  # 4 and 6: more threads than kv heads
+            torch.set_num_threads(threads)
+            lse = torch.empty(q.shape[:2])
+            outs.append((KERNEL(q, k_cache, v_cache, batch, SCALE, start, lse), lse))
+    finally:
+        torch.set_num_threads(before)
+    assert not outs[0][0].isnan().any()
+    for out, lse in outs[1:]:
+        torch.testing.assert_close(out, outs[0][0], atol=0, rtol=0)
+        torch.testing.assert_close(lse, outs[0][1], atol=0, rtol=0)
+
+
 @needs_prefill_kernel
 @pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (10, 2), (4, 4)])
 def test_drafted_decodes_on_tiles(heads: tuple[int, int]) -> None:

@@ -101,7 +101,11 @@ def cpu_name() -> str:
 
 def runnable() -> tuple[str, ...]:
     """The targets this CPU can execute, lesser to greater."""
-    features = cpu_features()
+    return _runnable(cpu_features())
+
+
+@functools.cache  # asked each step (which library a wrapper loads): one lookup, not a scan
+def _runnable(features: frozenset[str]) -> tuple[str, ...]:
     return tuple(t.name for t in TARGETS if not t.missing(features))
 
 
@@ -112,19 +116,23 @@ def best() -> str:
 def selected() -> str | None:
     """The target the kernels load: ``$PAGEKV_CPU_ISA`` if set, else the best one here; None
     for ``none``. Raises KernelTargetError for a name that is not a target or cannot run here."""
-    name = os.environ.get(ISA_ENV, "").strip().lower()
+    return _selected(os.environ.get(ISA_ENV, "").strip().lower(), cpu_features())
+
+
+@functools.cache
+def _selected(name: str, features: frozenset[str]) -> str | None:
     if not name:
-        return best()
+        return _runnable(features)[-1]
     if name == NONE:
         return None
     if name not in BY_NAME:
         choices = ", ".join([*BY_NAME, NONE])
         raise KernelTargetError(f"{ISA_ENV}={name!r}: not a kernel target (one of {choices})")
-    missing = BY_NAME[name].missing(cpu_features())
+    missing = BY_NAME[name].missing(features)
     if missing:
         raise KernelTargetError(
             f"{ISA_ENV}={name}: this CPU lacks {', '.join(missing)}; it can run "
-            + ", ".join(runnable())
+            + ", ".join(_runnable(features))
         )
     return name
 

@@ -4,6 +4,9 @@
 // row is read from memory once and reused by the G query heads that share its kv head.
 #include "attention_common.h"
 #include "kernels.h"
+#include <omp.h>
+#include <algorithm>
+#include <memory>
 #include <vector>
 
 struct Shape { int num_heads, kv_heads, group, block_size; long token_stride; };
@@ -152,24 +155,27 @@ static inline void scores16_pairs(const uint16_t* q, const uint16_t* const* rows
     }
 }
 #endif
-// out[g] += sum_t p[g * p_stride + t] * rows[t] for G heads at once: each value row is widened
-// to float32 once, in registers, and the G accumulators (G * D / 16 registers) stay there.
-template <int D, int G, typename KV>
+// out[g] += sum_t p[g * p_stride + t] * rows[t] over W dims for G heads at once (head g's
+// output at out + g * out_stride): each value row is widened to float32 once, in registers,
+// and the G accumulators (G * W / 16 registers) stay there. Each output is one chain of FMAs,
+// t ascending, whatever G and W.
+template <int W, int G, typename KV>
 static inline void pv_group(const float* p, long p_stride, const KV* const* rows, int count,
-                            float* out) {
-    __m512 acc[G][D / 16];
+                            float* out, long out_stride) {
+    __m512 acc[G][W / 16];
     for (int g = 0; g < G; ++g)
-        for (int i = 0; i < D / 16; ++i) acc[g][i] = _mm512_loadu_ps(out + g * D + 16 * i);
+        for (int i = 0; i < W / 16; ++i)
+            acc[g][i] = _mm512_loadu_ps(out + g * out_stride + 16 * i);
     for (int t = 0; t < count; ++t) {
-        __m512 v[D / 16];
-        for (int i = 0; i < D / 16; ++i) v[i] = load16(rows[t] + 16 * i);
+        __m512 v[W / 16];
+        for (int i = 0; i < W / 16; ++i) v[i] = load16(rows[t] + 16 * i);
         for (int g = 0; g < G; ++g) {
             const __m512 pt = _mm512_set1_ps(p[g * p_stride + t]);
-            for (int i = 0; i < D / 16; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
+            for (int i = 0; i < W / 16; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
         }
     }
     for (int g = 0; g < G; ++g)
-        for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(out + g * D + 16 * i, acc[g][i]);
+        for (int i = 0; i < W / 16; ++i) _mm512_storeu_ps(out + g * out_stride + 16 * i, acc[g][i]);
 }
 #else
 // The same two primitives on the vector layer (AVX2, generic): a query row's vectors stay in
@@ -189,22 +195,24 @@ static inline void scores16(const KV* q, const KV* const* rows, int count, int g
         }
     }
 }
-// Vectors of a head's output summed at once: all D / W where the G heads' sums and one value
-// row fit in the registers, else the widest power of two that does.
-template <int D, int G>
+// Vectors of a head's output summed at once: all W / VF::W where the G heads' sums and one
+// value row fit in the registers, else the widest power of two that does.
+template <int W, int G>
 static constexpr int pv_chunk() {
-    int chunk = D / VF::W;
+    int chunk = W / VF::W;
     while (chunk > 1 && (G + 1) * chunk + 1 > VF::REGS) chunk /= 2;
     return chunk;
 }
-template <int D, int G, typename KV>
+template <int W, int G, typename KV>
 static inline void pv_group(const float* p, long p_stride, const KV* const* rows, int count,
-                            float* out) {
-    constexpr int C = pv_chunk<D, G>();
-    for (int c0 = 0; c0 < D / VF::W; c0 += C) {
+                            float* out, long out_stride) {
+    static_assert(W % VF::W == 0, "a slice of whole vectors");
+    constexpr int C = pv_chunk<W, G>();
+    for (int c0 = 0; c0 < W / VF::W; c0 += C) {
         VF acc[G][C];
         for (int g = 0; g < G; ++g)
-            for (int i = 0; i < C; ++i) acc[g][i] = VF::load(out + g * D + VF::W * (c0 + i));
+            for (int i = 0; i < C; ++i)
+                acc[g][i] = VF::load(out + g * out_stride + VF::W * (c0 + i));
         for (int t = 0; t < count; ++t) {
             VF v[C];
             for (int i = 0; i < C; ++i) v[i] = VF::load(rows[t] + VF::W * (c0 + i));
@@ -214,24 +222,25 @@ static inline void pv_group(const float* p, long p_stride, const KV* const* rows
             }
         }
         for (int g = 0; g < G; ++g)
-            for (int i = 0; i < C; ++i) acc[g][i].store(out + g * D + VF::W * (c0 + i));
+            for (int i = 0; i < C; ++i) acc[g][i].store(out + g * out_stride + VF::W * (c0 + i));
     }
 }
 #endif
 
 // The group size is a template argument so that pv_group's accumulators live in registers;
 // uncommon sizes run one head at a time.
-template <int D, typename KV>
+template <int W, typename KV>
 static inline void pv_heads(int group, const float* p, long p_stride, const KV* const* rows,
-                            int count, float* out) {
+                            int count, float* out, long out_stride) {
     switch (group) {
-        case 1: return pv_group<D, 1>(p, p_stride, rows, count, out);
-        case 2: return pv_group<D, 2>(p, p_stride, rows, count, out);
-        case 3: return pv_group<D, 3>(p, p_stride, rows, count, out);
-        case 4: return pv_group<D, 4>(p, p_stride, rows, count, out);
+        case 1: return pv_group<W, 1>(p, p_stride, rows, count, out, out_stride);
+        case 2: return pv_group<W, 2>(p, p_stride, rows, count, out, out_stride);
+        case 3: return pv_group<W, 3>(p, p_stride, rows, count, out, out_stride);
+        case 4: return pv_group<W, 4>(p, p_stride, rows, count, out, out_stride);
         default:
             for (int g = 0; g < group; ++g)
-                pv_group<D, 1>(p + g * p_stride, p_stride, rows, count, out + g * D);
+                pv_group<W, 1>(p + g * p_stride, p_stride, rows, count, out + g * out_stride,
+                               out_stride);
     }
 }
 
@@ -300,73 +309,149 @@ static inline int rows16(const KV* cache, const long* slots, int first, int seq_
     return count;
 }
 
-// One sequence, kv heads [h0, h1), positions [start, seq_len), for its `qlen` query tokens
-// (the last qlen positions; token t sees positions < seq_len - qlen + 1 + t): scores
-// [qlen * heads, S - start] in `scores`, softmax, then the weighted sum of values (and, if lse
-// is given, each head's log-sum-exp of its scores at lse[token * num_heads + head]). Each K
-// (then V) row is read once and reused by every query head of its group, of every token, while
-// in cache: a drafted decode's tokens cost one read of the history, not one each. Every row's
-// arithmetic is that of the same token alone, except bf16 scores of 2+ tokens, which take
-// scores16_pairs (float32 sums in another order). `slots` (room for seq_len) gets each position's
-// cache slot, walked from the block table once: no division per row, and both passes share it.
-// `qbuf` (room for qlen * heads * D) holds the queries of one kv head, token by token.
+// One sequence's attention for its `qlen` query tokens (the last qlen positions; token t sees
+// positions < seq_len - qlen + 1 + t) over positions [start, seq_len), in three parts: the
+// scores [kv head][token][group head][len] (len = seq_len - start), their softmax (and, if lse
+// is given, each head's log-sum-exp of its scores at lse[token * num_heads + head]), then the
+// weighted sums of the values into out. Each K (then V) row is read once and reused by every
+// query head of its group, of every token, while in cache: a drafted decode's tokens cost one
+// read of the history, not one each. Every row's arithmetic is that of the same token alone,
+// except bf16 scores of 2+ tokens, which take scores16_pairs (float32 sums in another order).
+// The parts take ranges (of positions, of softmax rows, of kv heads and dims) so that threads
+// can share one sequence, each number computed as it is by one thread alone (one_sequence).
+// `slots` (room for seq_len) holds each position's cache slot, walked from the block table
+// once; `qbuf` (room for qlen * heads * D) the queries of each kv head, token by token.
 template <typename KV, int D>
-static void one_sequence(const KV* q, const KV* kc, const KV* vc, const int32_t* table,
-                         int seq_len, int qlen, int start, const Shape& sh, int h0, int h1,
-                         float scale, float* scores, long* slots, KV* qbuf, float* out,
-                         float* lse) {
-    const int g = sh.group, len = seq_len - start, rows_per_kvh = qlen * g;
-    const long stride = sh.token_stride, q_stride = long(sh.num_heads) * D;
-    for (int pos = 0, b = 0; pos < seq_len; ++b) {
-        const long base = long(table[b]) * sh.block_size;
-        for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
+struct Sequence {
+    const KV *q, *kc, *vc;
+    int seq_len, qlen, start;
+    const Shape& sh;
+    float scale;
+    float* scores;  // [kv head][qlen * group][len]
+    long* slots;
+    KV* qbuf;
+    float* out;
+    float* lse;
+
+    int len() const { return seq_len - start; }
+    int rows_per_kvh() const { return qlen * sh.group; }
+    long q_stride() const { return long(sh.num_heads) * D; }
+    float* scores_of(int kvh) const { return scores + long(kvh) * rows_per_kvh() * len(); }
+    // whether the values of n positions fit in L2 beside the rest: longer histories would push
+    // out their own first rows, and then the prefetch costs more than it saves
+    bool values_fit_l2(int n) const {
+        return long(n) * sh.kv_heads * D * long(sizeof(KV)) <= VALUES_IN_L2_BYTES;
     }
-    // The values of the positions whose scores are being computed go to L2 for the second pass
-    // (else the memory idles through the softmax and waits at each block of that pass), when
-    // they all fit there: longer histories would push out their own first rows, and then
-    // the prefetch costs more than it saves.
-    const bool values_fit_l2 = long(len) * (h1 - h0) * D * long(sizeof(KV)) <= VALUES_IN_L2_BYTES;
-    const KV* rows[16];
-    for (int kvh = h0; kvh < h1; ++kvh)  // queries of kv head kvh: [token][group head][D]
-        for (int t = 0; t < qlen && qlen > 1; ++t)
-            std::memcpy(qbuf + (long(kvh - h0) * rows_per_kvh + t * g) * D,
-                        q + t * q_stride + long(kvh) * g * D, sizeof(KV) * g * D);
-    for (int first = start; first < seq_len; first += 16)  // 16 positions at a time
-        for (int kvh = h0; kvh < h1; ++kvh) {
-            const int count = rows16<KV, D>(kc, slots, first, seq_len, stride, kvh, rows);
-            if (values_fit_l2)
-                prefetch_rows<KV, D>(vc, slots, first, first + count, stride, kvh);
-            const KV* qh = qlen > 1 ? qbuf + long(kvh - h0) * rows_per_kvh * D
-                                    : q + long(kvh) * g * D;
-            float* s = scores + long(kvh - h0) * rows_per_kvh * len + (first - start);
+
+    void walk(const int32_t* table) const {
+        for (int pos = 0, b = 0; pos < seq_len; ++b) {
+            const long base = long(table[b]) * sh.block_size;
+            for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
+        }
+        const int g = sh.group;
+        for (int kvh = 0; kvh < sh.kv_heads && qlen > 1; ++kvh)  // only qlen > 1 reads it
+            for (int t = 0; t < qlen; ++t)
+                std::memcpy(qbuf + (long(kvh) * rows_per_kvh() + t * g) * D,
+                            q + t * q_stride() + long(kvh) * g * D, sizeof(KV) * g * D);
+    }
+
+    // Scores of kv heads [k0, k1) at positions [first0, end), first0 - start a multiple of 16;
+    // `prefetch_values`: the values at those positions go to L2 for the last part (else the
+    // memory idles through the softmax and waits at each block of that part).
+    void score(int first0, int end, int k0, int k1, bool prefetch_values) const {
+        const KV* rows[16];
+        for (int first = first0; first < end; first += 16)  // 16 positions at a time
+            for (int kvh = k0; kvh < k1; ++kvh) {
+                const int count = rows16<KV, D>(kc, slots, first, end, sh.token_stride, kvh, rows);
+                if (prefetch_values)
+                    prefetch_rows<KV, D>(vc, slots, first, first + count, sh.token_stride, kvh);
+                const KV* qh = qlen > 1 ? qbuf + long(kvh) * rows_per_kvh() * D
+                                        : q + long(kvh) * sh.group * D;
+                float* s = scores_of(kvh) + (first - start);
 #if defined(__AVX512BF16__)
-            if constexpr (std::is_same<KV, uint16_t>::value)
-                if (rows_per_kvh >= PAIRS_MIN_ROWS) {
-                    scores16_pairs<D>(qh, rows, count, rows_per_kvh, scale, s, len);
-                    continue;
-                }
+                if constexpr (std::is_same<KV, uint16_t>::value)
+                    if (rows_per_kvh() >= PAIRS_MIN_ROWS) {
+                        scores16_pairs<D>(qh, rows, count, rows_per_kvh(), scale, s, len());
+                        continue;
+                    }
 #endif
-            scores16<D>(qh, rows, count, rows_per_kvh, scale, s, len);
-        }
-    for (int kvh = h0; kvh < h1; ++kvh)
-        for (int t = 0; t < qlen; ++t) {
+                scores16<D>(qh, rows, count, rows_per_kvh(), scale, s, len());
+            }
+    }
+
+    // Softmax rows [r0, r1), row r = (kv head r / qlen, token r % qlen): its group's heads.
+    void softmax(int r0, int r1) const {
+        const int g = sh.group;
+        for (int r = r0; r < r1; ++r) {
+            const int kvh = r / qlen, t = r % qlen;
             float* row_lse = lse == nullptr ? nullptr : lse + t * sh.num_heads + long(kvh) * g;
-            softmax_rows(scores + (long(kvh - h0) * rows_per_kvh + t * g) * len, g,
-                         len - (qlen - 1 - t), len, row_lse);
+            softmax_rows(scores_of(kvh) + long(t) * g * len(), g, len() - (qlen - 1 - t), len(),
+                         row_lse);
         }
-    for (int t = 0; t < qlen; ++t)  // these heads' output rows of every token
-        std::memset(out + t * q_stride + long(h0) * g * D, 0, sizeof(float) * (h1 - h0) * g * D);
-    for (int first = start; first < seq_len; first += 16)
-        for (int kvh = h0; kvh < h1; ++kvh) {
-            const int count = rows16<KV, D>(vc, slots, first, seq_len, stride, kvh, rows);
+    }
+
+    // The outputs of kv head kvh's query heads, dims [d0, d0 + W), every token.
+    template <int W>
+    void weigh(int kvh, int d0) const {
+        const int g = sh.group;
+        for (int t = 0; t < qlen; ++t)
+            for (int h = 0; h < g; ++h)
+                std::memset(out + t * q_stride() + (long(kvh) * g + h) * D + d0, 0,
+                            sizeof(float) * W);
+        const KV* rows[16];
+        for (int first = start; first < seq_len; first += 16) {
+            const int count = rows16<KV, D>(vc, slots, first, seq_len, sh.token_stride, kvh, rows);
+            for (int i = 0; i < count; ++i) rows[i] += d0;
             for (int t = 0; t < qlen; ++t) {
-                const int visible = len - (qlen - 1 - t) - (first - start);  // of these 16
+                const int visible = len() - (qlen - 1 - t) - (first - start);  // of these 16
                 if (visible <= 0) continue;
-                const float* p = scores + (long(kvh - h0) * rows_per_kvh + t * g) * len;
-                pv_heads<D>(g, p + (first - start), len, rows, count < visible ? count : visible,
-                            out + t * q_stride + long(kvh) * g * D);
+                const float* p = scores_of(kvh) + long(t) * g * len() + (first - start);
+                pv_heads<W>(g, p, len(), rows, count < visible ? count : visible,
+                            out + t * q_stride() + long(kvh) * g * D + d0, D);
             }
         }
+    }
+};
+
+// The whole of one sequence by one thread.
+template <typename KV, int D>
+static void one_sequence(const Sequence<KV, D>& s, const int32_t* table) {
+    s.walk(table);
+    s.score(s.start, s.seq_len, 0, s.sh.kv_heads, s.values_fit_l2(s.len()));
+    s.softmax(0, s.sh.kv_heads * s.qlen);
+    for (int kvh = 0; kvh < s.sh.kv_heads; ++kvh) s.template weigh<D>(kvh, 0);
+}
+
+// One sequence shared by the threads of the enclosing parallel region, with barriers between
+// the parts: the scores by positions (whole blocks of 16), the softmax by rows, the values by
+// kv head and slices of dims (each a multiple of 16 floats): every thread reads about as many
+// K and V bytes as the others, where a split by kv head alone leaves one thread two heads of
+// three. Each number is computed as one_sequence computes it.
+template <int W, typename KV, int D>
+static void weigh_slices(const Sequence<KV, D>& s, int slices, int t, int nt) {
+    const int tasks = s.sh.kv_heads * slices;
+    for (int task = tasks * t / nt; task < tasks * (t + 1) / nt; ++task)
+        s.template weigh<W>(task / slices, task % slices * W);
+}
+template <typename KV, int D>
+static void shared_sequence(const Sequence<KV, D>& s, const int32_t* table) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    s.walk(table);  // each thread its own slots and queries
+    const int blocks = (s.len() + 15) / 16, kvh = s.sh.kv_heads;
+    const int first = s.start + 16 * (blocks * t / nt);
+    const int end = std::min(s.seq_len, s.start + 16 * (blocks * (t + 1) / nt));
+    s.score(first, end, 0, kvh, s.values_fit_l2(end - first));
+    #pragma omp barrier
+    const int rows = kvh * s.qlen;
+    s.softmax(rows * t / nt, rows * (t + 1) / nt);
+    #pragma omp barrier
+    // slices: the fewest of 1, 2, 4 that share out the kv heads evenly (D >= 64: a slice is
+    // whole vectors)
+    const int slices = kvh % nt == 0 ? 1 : (2 * kvh) % nt == 0 ? 2 : 4;
+    if (slices == 1) weigh_slices<D>(s, 1, t, nt);
+    else if (slices == 2) weigh_slices<D / 2>(s, 2, t, nt);
+    else weigh_slices<D / 4>(s, 4, t, nt);
+    #pragma omp barrier  // the scores are the next sequence's
 }
 
 template <typename KV, int D>
@@ -377,47 +462,51 @@ static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* table
                    float* lse) {
     const Shape sh{num_heads, kv_heads, num_heads / kv_heads, block_size, long(kv_heads) * D};
     // Sequence b's query tokens start at row first_row[b] of q, out and lse.
-    long* first_row = (long*)std::malloc(sizeof(long) * (num_seqs + 1));
-    first_row[0] = 0;
+    std::vector<long> first_row(num_seqs + 1, 0);
     for (int b = 0; b < num_seqs; ++b)
         first_row[b + 1] = first_row[b] + (query_lens == nullptr ? 1 : query_lens[b]);
-    // Whole sequences per task stream each block contiguously; with fewer sequences than
-    // threads, split by kv head so every thread has work. Threads take tasks one at a time from
-    // a shared counter, each taking its next task when it starts one: the first rows of that
-    // next sequence are requested then, since a short history ends before the prefetches
-    // inside it get ahead (this matters for short histories only).
-    const int split = num_seqs < num_threads ? kv_heads : 1;
-    const long tasks = long(num_seqs) * split;
+    const long rows = long(num_heads) * max_query_len;
+    // With fewer sequences than threads, all threads take each sequence in turn
+    // (shared_sequence), its scores in one buffer. Otherwise whole sequences are tasks, each
+    // streaming its blocks contiguously; threads take them one at a time from a shared counter,
+    // each taking its next task when it starts one: the first rows of that next sequence are
+    // requested then, since a short history ends before the prefetches inside it get ahead
+    // (this matters for short histories only).
+    const bool share = num_seqs < num_threads;
+    const std::unique_ptr<float[]> shared_scores(new float[share ? rows * (max_seq_len + 1) : 0]);
     long taken = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        const long rows = long(num_heads) * max_query_len;
-        float* scores = (float*)std::malloc(sizeof(float) * rows * (max_seq_len + 1));
-        long* slots = (long*)std::malloc(sizeof(long) * (max_seq_len + 1));
-        KV* qbuf = (KV*)std::malloc(sizeof(KV) * rows * D);
-        const auto take = [&taken]() { return __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED); };
-        for (long task = take(), next; task < tasks; task = next) {
-            next = take();
-            if (next < tasks && split == 1) {
-                const int end = seq_lens[next] < start + PREFETCH_AHEAD ? seq_lens[next]
-                                                                        : start + PREFETCH_AHEAD;
-                prefetch_tokens(kc, tables + next * table_stride, start, end, block_size,
-                                sh.token_stride);
-            }
-            const int b = int(task / split), part = int(task % split);
-            const int h0 = part * kv_heads / split, h1 = (part + 1) * kv_heads / split;
+        // each thread's scratch, left uninitialized (each part writes before it reads)
+        const std::unique_ptr<float[]> own_scores(new float[share ? 0 : rows * (max_seq_len + 1)]);
+        const std::unique_ptr<long[]> slots(new long[max_seq_len + 1]);
+        const std::unique_ptr<KV[]> qbuf(new KV[rows * D]);
+        const auto sequence = [&](int b) {
             const long row = first_row[b];
-            one_sequence<KV, D>(q + row * num_heads * D, kc, vc,
-                                tables + long(b) * table_stride, seq_lens[b],
-                                int(first_row[b + 1] - row), start, sh, h0, h1, scale, scores,
-                                slots, qbuf, out + row * num_heads * D,
-                                lse == nullptr ? nullptr : lse + row * num_heads);
+            return Sequence<KV, D>{q + row * num_heads * D, kc, vc, seq_lens[b],
+                                   int(first_row[b + 1] - row), start, sh, scale,
+                                   share ? shared_scores.get() : own_scores.get(),
+                                   slots.get(), qbuf.get(), out + row * num_heads * D,
+                                   lse == nullptr ? nullptr : lse + row * num_heads};
+        };
+        if (share) {
+            for (int b = 0; b < num_seqs; ++b)
+                shared_sequence(sequence(b), tables + long(b) * table_stride);
+        } else {
+            const auto take = [&taken]() {
+                return __atomic_fetch_add(&taken, 1, __ATOMIC_RELAXED);
+            };
+            for (long b = take(), next; b < num_seqs; b = next) {
+                next = take();
+                if (next < num_seqs) {
+                    const int end = std::min(seq_lens[next], start + PREFETCH_AHEAD);
+                    prefetch_tokens(kc, tables + next * table_stride, start, end, block_size,
+                                    sh.token_stride);
+                }
+                one_sequence(sequence(int(b)), tables + b * table_stride);
+            }
         }
-        std::free(qbuf);
-        std::free(slots);
-        std::free(scores);
     }
-    std::free(first_row);
 }
 
 // start: the first position each row attends (0: all of it); lse: null, or float32
