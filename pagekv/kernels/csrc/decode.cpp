@@ -581,14 +581,15 @@ extern "C" int step_attention(const void* step, int layer, const void* q, const 
 
 // The first maximum of each of `rows` bfloat16 rows of `cols` (a NaN counts as the maximum, as
 // in torch): greedy sampling straight from the LM head's bf16 logits, without widening them all
-// to float32 first. Two passes per row; the second finds the first lane equal to the maximum.
+// to float32 first. Two passes per row, both in vectors; the second finds the first lane equal
+// to the maximum.
 extern "C" void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, long cols,
                                  int num_threads) {
     #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (long r = 0; r < rows; ++r) {
         const uint16_t* row = x + r * cols;
         float best = -INFINITY;
-        long at = 0, nan_at = -1;
+        long at, nan_at = -1;
         VF vmax = VF::set1(-INFINITY);
         long c = 0;
         for (; c + VF::W <= cols; c += VF::W) {
@@ -606,9 +607,14 @@ extern "C" void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, lon
             best = v > best ? v : best;
         }
         if (nan_at >= 0) { out[r] = nan_at; continue; }
-        for (long j = 0; j < cols; ++j)
-            if (load(row[j]) == best) { at = j; break; }
-        out[r] = at;
+        at = -1;  // the first position of the maximum: vectors, then the tail
+        for (c = 0; c + VF::W <= cols && at < 0; c += VF::W) {
+            const int lane = VF::load(row + c).first_equal(best);
+            if (lane >= 0) at = c + lane;
+        }
+        for (; at < 0 && c < cols; ++c)
+            if (load(row[c]) == best) at = c;
+        out[r] = at < 0 ? 0 : at;
     }
 }
 

@@ -65,6 +65,10 @@ struct VF {
     void store(float* p) const { _mm512_storeu_ps(p, v); }
     void store_first(float* p, int n) const { _mm512_mask_storeu_ps(p, first_mask(n), v); }
     bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+    int first_equal(float x) const {  // the first lane equal to x, or -1
+        const unsigned m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+        return m == 0 ? -1 : __builtin_ctz(m);
+    }
     VF keep_first(int n) const { return {_mm512_maskz_mov_ps(first_mask(n), v)}; }  // rest 0
     __attribute__((always_inline)) void store(uint16_t* p) const {  // rounded to bfloat16 as f32_to_bf16 rounds each lane
         const __m512i u = _mm512_castps_si512(v);
@@ -146,6 +150,10 @@ struct VF {
     void store(float* p) const { _mm256_storeu_ps(p, v); }
     void store_first(float* p, int n) const { _mm256_maskstore_ps(p, first_mask(n), v); }
     bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+    int first_equal(float x) const {  // the first lane equal to x, or -1
+        const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_EQ_OQ));
+        return m == 0 ? -1 : __builtin_ctz(unsigned(m));
+    }
     VF keep_first(int n) const { return {_mm256_and_ps(v, _mm256_castsi256_ps(first_mask(n)))}; }
     __attribute__((always_inline)) void store(uint16_t* p) const {
         const __m256i u = _mm256_castps_si256(v);
@@ -241,6 +249,11 @@ struct VF {
         for (int i = 0; i < n && i < W; ++i) p[i] = v[i];
     }
     bool any_nan() const { return v[0] != v[0] || v[1] != v[1] || v[2] != v[2] || v[3] != v[3]; }
+    int first_equal(float x) const {  // the first lane equal to x, or -1
+        for (int i = 0; i < W; ++i)
+            if (v[i] == x) return i;
+        return -1;
+    }
     VF keep_first(int n) const {
         VF r = zero();
         for (int i = 0; i < n && i < W; ++i) r.v[i] = v[i];
