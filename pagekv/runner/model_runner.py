@@ -247,10 +247,12 @@ class ModelRunner:
                 self._row(entry, j, None if masks is None else masks[j])
                 for j in range(num_drafts + 1)
             )
+        # rows ascend, so as many as the step's tokens are all of them (a plain decode step):
+        # no index
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
         # [S, vocab] in the model's dtype: the sampler widens to float32 only if it must
-        logits = self.model.compute_logits(
-            hidden[torch.tensor(rows, device=self.device)], float32=False
-        )
+        logits = self.model.compute_logits(hidden, float32=False)
         out = self.sampler(logits, sampling_rows)
         return self._results(entries, out)
 
