@@ -1,7 +1,7 @@
 """GGUF weights kept quantized: the decoders against gguf's reference, the C kernels on every
 target against the dequantized weights, the loader, and the engine's choice.
 
-Every weight the kernels multiply must be exactly gguf's dequantized value (``quant_columns``
+Every weight the kernels multiply must be exactly gguf's dequantized value (``quant_rows``
 reads them back from the packed stripes); the matmul is a float32 chain per output, so it
 agrees with a float64 product of the dequantized weights to float32 rounding, and a row's
 numbers do not depend on its batch.

@@ -589,7 +589,7 @@ extern "C" void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, lon
     for (long r = 0; r < rows; ++r) {
         const uint16_t* row = x + r * cols;
         float best = -INFINITY;
-        long at, nan_at = -1;
+        long nan_at = -1;
         VF vmax = VF::set1(-INFINITY);
         long c = 0;
         for (; c + VF::W <= cols; c += VF::W) {
@@ -607,7 +607,7 @@ extern "C" void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, lon
             best = v > best ? v : best;
         }
         if (nan_at >= 0) { out[r] = nan_at; continue; }
-        at = -1;  // the first position of the maximum: vectors, then the tail
+        long at = -1;  // the first position of the maximum: vectors, then the tail
         for (c = 0; c + VF::W <= cols && at < 0; c += VF::W) {
             const int lane = VF::load(row + c).first_equal(best);
             if (lane >= 0) at = c + lane;
