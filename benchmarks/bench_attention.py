@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from pagekv.kernels import decode
 from pagekv.kernels.decode import DecodeBatch
-from pagekv.runner import cpu_kernel
 from pagekv.runner.fast_attention import decode_attention_torch
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 64, 9, 3, 64, 16
@@ -61,7 +61,7 @@ def _case(
 
 
 def _measure(
-    c: dict[str, torch.Tensor | DecodeBatch], kernel: cpu_kernel.DecodeKernel | None, repeat: int
+    c: dict[str, torch.Tensor | DecodeBatch], kernel: decode.DecodeKernel | None, repeat: int
 ) -> tuple[float, float]:
     """Median seconds of (paged, sdpa) for one case, alternating the two."""
     q, batch, k_cache, v_cache = c["q"], c["batch"], c["k_cache"], c["v_cache"]
@@ -91,7 +91,7 @@ def _measure(
 
 
 def run(dtype: torch.dtype, repeat: int, use_kernel: bool) -> list[tuple[int, float, float]]:
-    kernel = cpu_kernel.load() if use_kernel else None
+    kernel = decode.load() if use_kernel else None
     gen = torch.Generator().manual_seed(0)
     return [(ctx, *_measure(_case(ctx, dtype, gen), kernel, repeat)) for ctx in CONTEXTS]
 

@@ -31,8 +31,10 @@ How each engine is run (model loading is outside the timing for all of them):
   worker for vLLM's scheduler process, which on a 2-CPU machine halves its compute),
   ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (default 0, to go with that binding), and ``LD_PRELOAD`` of
   tcmalloc and the venv's Intel OpenMP when present. Any of them set in the caller's
-  environment wins. Also recorded: spawn -> first token and the peak memory of vLLM's whole
-  process tree (benchmarks/peak_rss.py).
+  environment wins. With ``PAGEKV_CPU_ISA=avx2`` in the environment vLLM runs as on an
+  AVX2-only CPU too (``vllm_offline.py --isa avx2``: its ``_C_AVX2`` kernels, torch capped at
+  AVX2); the kernel library its processes mapped is printed. Also recorded: spawn -> first
+  token and the peak memory of vLLM's whole process tree (benchmarks/peak_rss.py).
 - llamacpp: ``llama-server`` (built by benchmarks/setup_llama_cpp.sh) on the GGUF with
   ``-np`` = ``--concurrency`` (default: every request of the workload, all in flight at once as
   the offline engines queue them), ``--kv-unified`` (one KV buffer for all slots), ``-c`` =
@@ -248,6 +250,7 @@ class VllmProcess:
             "--speculative-ngram",
             str(speculative_tokens),
             *(["--limit", str(limit)] if limit is not None else []),
+            *(["--isa", "avx2"] if os.environ.get("PAGEKV_CPU_ISA") == "avx2" else []),
         ]
         self.env = vllm_env(num_threads)
         self.extras = extras
@@ -277,6 +280,18 @@ class VllmProcess:
         for proc in [root, *root.children(recursive=True)]:
             proc.send_signal(sig)
 
+    def _kernels(self) -> list[str]:
+        """vLLM's C kernel libraries its processes mapped (``_C``, ``_C_AVX512``, ``_C_AVX2``)."""
+        assert self.proc is not None
+        root = psutil.Process(self.proc.pid)
+        names = {
+            Path(m.path).name
+            for proc in [root, *root.children(recursive=True)]
+            for m in proc.memory_maps()
+            if "/vllm/_C" in m.path
+        }
+        return sorted(names)
+
     def _start(self) -> None:
         spawn_unix = time.time()
         self.proc = subprocess.Popen(
@@ -294,7 +309,9 @@ class VllmProcess:
         self.sampler.pause()
         self._signal(signal.SIGSTOP)
         self.sampler.sample(with_pss=True)
+        self.ready["kernels"] = self._kernels()
         print("  vllm env:", json.dumps(self.ready["env"]))
+        print("  vllm kernels:", ", ".join(self.ready["kernels"]) or "none found")
         print(
             f"  vllm spawn -> first token {self.ready['spawn_to_first_token_s']:.1f} s "
             f"(import + LLM() {self.ready['startup_s']:.1f} s)"

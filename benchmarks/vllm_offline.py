@@ -11,6 +11,11 @@ requests of the workload.
 "run" line read from stdin (a result line each) until stdin closes. Every pass starts with an
 empty prefix cache (``LLM.reset_prefix_cache``), as a fresh process would, so a caller can
 alternate this engine's passes with another engine's without paying vLLM's start-up each time.
+
+``--isa avx2``: run as on a CPU with AVX2 + FMA and nothing wider, on this one. torch's own
+kernels are capped by their documented variables (ATen, oneDNN, MKL) and torch reports no
+AVX-512 or AMX, so vLLM loads its AVX2 library (``_C_AVX2``) and picks its AVX2 attention, as it
+does on an AVX2-only CPU. The caps and the reports hold in vLLM's engine process too.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import json
 import os
 import resource
+import runpy
 import sys
 import time
 from dataclasses import replace
@@ -34,7 +40,21 @@ ENV_KEYS = (
     "VLLM_CPU_NUM_OF_RESERVED_CPU",
     "OMP_NUM_THREADS",
     "LD_PRELOAD",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
 )
+
+
+AS_AVX2 = Path(__file__).resolve().parent / "as_avx2"  # its sitecustomize.py caps a process
+
+
+def run_as_avx2_only() -> None:
+    """Before vLLM is imported: this process and every Python process it spawns as on an
+    AVX2-only CPU (as_avx2/sitecustomize.py, run here and put on the children's PYTHONPATH)."""
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(AS_AVX2), *([path] if path else [])])
+    runpy.run_path(str(AS_AVX2 / "sitecustomize.py"))
 
 
 def main() -> None:
@@ -52,7 +72,12 @@ def main() -> None:
         default=0,
         help="vLLM's n-gram (prompt lookup) speculation with this many draft tokens; 0: off",
     )
+    parser.add_argument(
+        "--isa", choices=("native", "avx2"), default="native", help="avx2: as on an AVX2-only CPU"
+    )
     args = parser.parse_args()
+    if args.isa == "avx2":
+        run_as_avx2_only()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     workload = load_workload(args.workload)
     if args.limit is not None:
@@ -102,6 +127,7 @@ def main() -> None:
         "first_token_unix": first_token_unix,
         "speculative_ngram": args.speculative_ngram,
         "env": {k: os.environ.get(k, "") for k in ENV_KEYS},
+        "isa": args.isa,
     }
 
     def one_pass() -> dict[str, object]:

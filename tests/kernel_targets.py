@@ -4,15 +4,42 @@
 ``$PAGEKV_CPU_ISA`` set to it, so every ``load()`` and every runner the test builds uses that
 target's libraries; a target this CPU cannot execute is skipped with the features it lacks,
 never failed.
+
+``PAGEKV_TEST_AS_CPU=avx2`` runs the whole suite as on a CPU with AVX2 + FMA and nothing wider:
+the AVX-512 and AMX flags are hidden from ``isa.cpu_features()``, the kernels default to the
+``avx2`` target (servers the tests start inherit it), and torch's own kernel libraries are
+capped at AVX2 by their variables, set here before anything imports torch.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from pagekv.kernels import isa
 
 TARGET_NAMES = [t.name for t in isa.TARGETS]
+AS_CPU_ENV = "PAGEKV_TEST_AS_CPU"
+# torch's kernel libraries, each capped at AVX2 by its own variable
+TORCH_AVX2_CAPS = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def as_avx2_only_cpu() -> None:
+    features = frozenset(f for f in isa.cpu_features() if not f.startswith(("avx512", "amx")))
+    isa.cpu_features = lambda: features  # type: ignore[assignment]
+    os.environ.setdefault(isa.ISA_ENV, "avx2")
+    os.environ.update(TORCH_AVX2_CAPS)
+
+
+if os.environ.get(AS_CPU_ENV):
+    if os.environ[AS_CPU_ENV] != "avx2":
+        raise pytest.UsageError(f"{AS_CPU_ENV}={os.environ[AS_CPU_ENV]!r}: only avx2 is known")
+    as_avx2_only_cpu()
 
 
 def skip_unless_runnable(name: str) -> None:

@@ -34,8 +34,8 @@ from pagekv.models.config import ModelConfig
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 READ_BUFFER_BYTES = 512 << 20  # far past any last-level cache
 
-# chains x lanes x 2 flops an iteration: float32 FMAs on the target's vectors, bf16 pairs
-FLOPS_PER_LANE = {"fma_f32": 16 * 2, "dot_bf16": 16 * 2 * 2}
+# flops a lane of one chain does an iteration: float32 FMAs on the target's vectors, bf16 pairs
+FLOPS_PER_LANE = {"fma_f32": 2, "dot_bf16": 2 * 2}
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def measure_peaks(threads: int, repeats: int = 3) -> Peaks:
     best of ``repeats``, with the best kernel target here. Raises build.KernelUnavailable
     without a C++ compiler."""
     lib = build.load("roofline", isa.selected() or isa.best())
-    lanes = int(lib.f32_lanes())
+    lanes = int(lib.f32_lanes()) * int(lib.peak_chains())  # every chain's, in one iteration
 
     def rate(name: str) -> float | None:
         fn, iters = getattr(lib, name), 20_000_000

@@ -178,8 +178,47 @@ static inline void pv_group(const float* p, long p_stride, const KV* const* rows
         for (int i = 0; i < W / 16; ++i) _mm512_storeu_ps(out + g * out_stride + 16 * i, acc[g][i]);
 }
 #else
-// The same two primitives on the vector layer (AVX2, generic): a query row's vectors stay in
-// registers across the key rows, each score one horizontal sum.
+// The same two primitives on the vector layer (AVX2, generic). Each score is one chain of
+// FMAs over the query's vectors, then one horizontal sum in reduce_add's order.
+#if defined(__AVX2__)
+// Lane j of the result: v[j].reduce_add(), added in the same order (the halves, then lanes
+// 0 + 2 and 1 + 3, then those two), for eight vectors at once.
+static inline VF reduce_add8(const VF* v) {
+    __m256 h[4];  // v[j]'s halves summed in the low 128 bits, v[j + 4]'s in the high
+    for (int j = 0; j < 4; ++j)
+        h[j] = _mm256_add_ps(_mm256_permute2f128_ps(v[j].v, v[j + 4].v, 0x20),
+                             _mm256_permute2f128_ps(v[j].v, v[j + 4].v, 0x31));
+    // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of h[j] = a, h[j + 1] = b
+    const __m256 p01 =
+        _mm256_add_ps(_mm256_unpacklo_ps(h[0], h[1]), _mm256_unpackhi_ps(h[0], h[1]));
+    const __m256 p23 =
+        _mm256_add_ps(_mm256_unpacklo_ps(h[2], h[3]), _mm256_unpackhi_ps(h[2], h[3]));
+    return {_mm256_add_ps(_mm256_shuffle_ps(p01, p23, _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm256_shuffle_ps(p01, p23, _MM_SHUFFLE(3, 2, 3, 2)))};
+}
+// Eight key rows at a time, the query's vectors in the outer loop (eight sums, a query vector
+// and a key vector in registers), the eight horizontal sums shared and stored as one vector.
+template <int D, typename KV>
+static inline void scores16(const KV* q, const KV* const* rows, int count, int group,
+                            float scale, float* s, long stride) {
+    static_assert(D % VF::W == 0 && VF::W == 8, "head dim: whole vectors of eight");
+    for (int g = 0; g < group; ++g)
+        for (int t0 = 0; t0 < count; t0 += 8) {
+            const int n = count - t0 < 8 ? count - t0 : 8;
+            const KV* r[8];  // past the last row: its first, summed and not stored
+            for (int t = 0; t < 8; ++t) r[t] = rows[t0 + (t < n ? t : 0)];
+            VF acc[8];
+            const VF q0 = VF::load(q + g * D);
+            for (int t = 0; t < 8; ++t) acc[t] = q0 * VF::load(r[t]);
+            for (int i = 1; i < D / VF::W; ++i) {
+                const VF qi = VF::load(q + g * D + VF::W * i);
+                for (int t = 0; t < 8; ++t) acc[t] = fma(qi, VF::load(r[t] + VF::W * i), acc[t]);
+            }
+            (reduce_add8(acc) * VF::set1(scale)).store_first(s + g * stride + t0, n);
+        }
+}
+#else
+// A query row's vectors stay in registers across the key rows.
 template <int D, typename KV>
 static inline void scores16(const KV* q, const KV* const* rows, int count, int group,
                             float scale, float* s, long stride) {
@@ -195,6 +234,7 @@ static inline void scores16(const KV* q, const KV* const* rows, int count, int g
         }
     }
 }
+#endif
 // Vectors of a head's output summed at once: all W / VF::W where the G heads' sums and one
 // value row fit in the registers, else the widest power of two that does.
 template <int W, int G>

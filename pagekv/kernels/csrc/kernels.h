@@ -167,6 +167,7 @@ int decoder_stack_bf16(const long* table, int layers, void* residual, const void
 
 // roofline.cpp: this machine's peaks (-1 where the target lacks the instructions).
 int f32_lanes(void);
+int peak_chains(void);
 double fma_f32(long iters, int threads);
 double read_f32(const float* x, long n, int threads);
 double dot_bf16(long iters, int threads);

@@ -142,13 +142,19 @@ struct VF {
     static __m256i first_mask(int n) {
         return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     }
+    // Masked moves only for a part of a vector: AMD's masked stores are microcoded, many
+    // times slower than a plain store.
     static VF load_first(const float* p, int n, float fill = 0.f) {
+        if (n >= W) return load(p);
         const __m256i m = first_mask(n);
         return {_mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, m),
                                  _mm256_castsi256_ps(m))};
     }
     void store(float* p) const { _mm256_storeu_ps(p, v); }
-    void store_first(float* p, int n) const { _mm256_maskstore_ps(p, first_mask(n), v); }
+    void store_first(float* p, int n) const {
+        if (n >= W) return store(p);
+        _mm256_maskstore_ps(p, first_mask(n), v);
+    }
     bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
     int first_equal(float x) const {  // the first lane equal to x, or -1
         const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_EQ_OQ));
