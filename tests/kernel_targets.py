@@ -42,6 +42,17 @@ if os.environ.get(AS_CPU_ENV):
     as_avx2_only_cpu()
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """At the end of the run: what the kernels saw of this CPU, and what they and torch ran."""
+    import torch  # here, not at import: the caps above must come first
+
+    terminalreporter.write_line(
+        f"kernel targets: this CPU runs {', '.join(isa.runnable())}; "
+        f"{isa.ISA_ENV}={os.environ.get(isa.ISA_ENV, '')!r} selects {isa.selected()}; "
+        f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+
+
 def skip_unless_runnable(name: str) -> None:
     missing = isa.BY_NAME[name].missing(isa.cpu_features())
     if missing:
