@@ -478,6 +478,33 @@ def test_whole_model_logits(dtype: torch.dtype, num_tokens: int, changes: dict) 
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
+@needs_fused
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kept_rows_are_those_rows_of_the_whole_pass(dtype: torch.dtype) -> None:
+    """forward(keep=rows) takes the other rows no further than the last layer's K/V: on the
+    fused ops the kept rows' hidden states are exactly those of the whole pass (a row's
+    numbers do not depend on its batch); on torch's, within float rounding."""
+    from models_fixtures import sdpa_attention
+
+    model = _random_model(dtype)
+    ids = torch.tensor([(3 + 17 * i) % 60 for i in range(40)])
+    positions = torch.arange(len(ids))
+    cases = [[39], [0, 7, 39], list(range(0, 40, 3))]
+    with torch.inference_mode():
+        whole = model(ids, positions, sdpa_attention)
+        for rows in cases:
+            keep = torch.tensor(rows)
+            torch.testing.assert_close(model(ids, positions, sdpa_attention, keep), whole[keep])
+        model.use_layer_ops(_fused())
+        model.pack_weights()
+        whole = model(ids, positions, sdpa_attention)
+        for rows in cases:
+            keep = torch.tensor(rows)
+            got = model(ids, positions, sdpa_attention, keep)
+            torch.testing.assert_close(got, whole[keep], atol=0, rtol=0)
+    model.use_layer_ops(TORCH_OPS)
+
+
 def test_carrying_the_residual_does_not_change_torch_numbers() -> None:
     """The restructured layer (residual stream apart, two halves) against the textbook pre-norm
     block written out in torch ops."""

@@ -230,3 +230,20 @@ def test_what_pagekv_does_not_run_is_refused(
     config = json.loads((gemma_dir / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=problem):
         hf_config(config | change, "here")
+
+
+def test_kept_rows_are_those_rows_of_the_whole_pass(
+    gemma: LoadedModel, prompts: list[list[int]]
+) -> None:
+    """Gemma's forward(keep=rows): the kept rows of the whole pass, the last layer taking the
+    others no further than their K/V."""
+    from models_fixtures import sdpa_attention
+
+    ids = torch.tensor(prompts[-1])
+    positions = torch.arange(len(ids))
+    keep = torch.tensor([0, 5, len(ids) - 1])
+    with torch.inference_mode():
+        whole = gemma.model(ids, positions, sdpa_attention)
+        got = gemma.model(ids, positions, sdpa_attention, keep)
+    assert got.shape == (3, whole.shape[1])
+    torch.testing.assert_close(got, whole[keep])

@@ -88,14 +88,18 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: AttentionFn,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``LlamaDecoderLayer.forward`` (the output and the residual stream, whose sum is
-        the hidden state); cos/sin are this layer's kind's (local or global)."""
+        the hidden state, of the ``keep`` rows past the attention); cos/sin are this layer's
+        kind's (local or global)."""
         ops, eps, cfg = self.ops, self.config.rms_norm_eps, self.config
         hidden = x if residual is None else residual + x
         h = gemma_rms_norm(hidden, self.input_layernorm, eps)
         q, k, v = self._qkv(h, cos, sin)
         out = attention(self.layer_idx, q, k, v).reshape(h.shape[0], cfg.q_size)
+        if keep is not None:
+            out, hidden = out[keep], hidden[keep]
         attn = ops.linear(out, *self._projection("o_proj"))
         hidden = hidden + gemma_rms_norm(attn, self.post_attention_layernorm, eps)
         h = gemma_rms_norm(hidden, self.pre_feedforward_layernorm, eps)
@@ -140,19 +144,27 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.register_buffer("rope_local_sin", sin, persistent=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden]."""
+        """As Llama's: int64 [T] -> final-normed hidden states [T, hidden], or the ``keep``
+        rows' (the last layer's attention caching every row)."""
         full = self.rope_cos[positions], self.rope_sin[positions]
         local = self.rope_local_cos[positions], self.rope_local_sin[positions]
         x = self._embed(input_ids)
         # HF keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype
         x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             assert isinstance(layer, Gemma3DecoderLayer)
             cos, sin = local if layer.sliding else full
-            x, residual = layer(x, residual, cos, sin, attention)
+            x, residual = layer(x, residual, cos, sin, attention, keep if i == last else None)
+        if residual is None and keep is not None:  # no layers
+            x = x[keep]
         hidden = x if residual is None else residual + x
         return gemma_rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 

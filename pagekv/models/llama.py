@@ -120,20 +120,25 @@ class LlamaDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: AttentionFn,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden]: the previous layer's output, or the embeddings with residual None
         (first layer); cos/sin [T, head_dim // 2] float32 for each token's position.
 
         Returns (this layer's output, the residual stream), both [T, hidden]; their sum is the
         hidden state. ``residual`` may be updated in place (``LayerOps.add_rms_norm``).
+        ``keep`` (int64 rows, or None for all): past the attention, which sees and caches
+        every row, only these rows go on, and the two are [len(keep), hidden].
         """
         ops, eps, cfg = self.ops, self.config.rms_norm_eps, self.config
         # the first layer: the embeddings are the residual stream, and nothing is added to it
         added, residual = (None, x) if residual is None else (x, residual)
         q, k, v, residual = self.attention_inputs(added, residual, cos, sin)
-        out = attention(self.layer_idx, q, k, v)  # [T, num_heads, head_dim]
+        out = attention(self.layer_idx, q, k, v).reshape(q.shape[0], cfg.q_size)
+        if keep is not None:
+            out, residual = out[keep], residual[keep]
         return ops.mlp_block(
-            out.reshape(q.shape[0], cfg.q_size),
+            out,
             residual,
             self._projection("o_proj", self.o_bias),
             self.post_attention_layernorm,
@@ -223,9 +228,16 @@ class LlamaForCausalLM(nn.Module):
         self.eval()
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionFn,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden].
+        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden], or with
+        ``keep`` (int64 rows) those rows' [len(keep), hidden]: the last layer's attention still
+        caches every row, and only the kept rows go through its output projection and MLP (a
+        prompt's rows but the one it samples need nothing past its K/V).
 
         When ``attention`` also offers itself to C code (a ``native`` attribute, a
         ``NativeAttention``) and the ops can run this model's layers in one go, they do
@@ -239,13 +251,14 @@ class LlamaForCausalLM(nn.Module):
             eps = cfg.rms_norm_eps
             out = self.ops.run_stack(stack, x, cos, sin, eps, heads, kv_heads, native)
             if out is not None:
-                return out
+                return out if keep is None else out[keep]
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attention)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, attention, keep if i == last else None)
         eps = self.config.rms_norm_eps
         if residual is None:  # no layers
-            return self.ops.rms_norm(x, self.norm, eps)
+            return self.ops.rms_norm(x if keep is None else x[keep], self.norm, eps)
         return self.ops.add_rms_norm(x, residual, self.norm, eps)[0]
 
     def _stack(self) -> object:

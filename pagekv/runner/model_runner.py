@@ -232,9 +232,9 @@ class ModelRunner:
             return {}
         inputs = prepare_step(plan.scheduled, self.block_size)
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
-        hidden = self.model(ids, positions, self._attention_fn(inputs))
         sampling = [i for i, s in enumerate(inputs.order) if s.samples]  # rows of inputs.order
         if not sampling:
+            self.model(ids, positions, self._attention_fn(inputs))  # the K/V only
             return {}
         entries = [inputs.order[i] for i in sampling]
         rows: list[int] = []  # flat token rows whose logits are sampled
@@ -248,9 +248,10 @@ class ModelRunner:
                 for j in range(num_drafts + 1)
             )
         # rows ascend, so as many as the step's tokens are all of them (a plain decode step):
-        # no index
-        if len(rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
+        # no index. Otherwise the model's last layer takes the other rows no further than
+        # their K/V.
+        keep = None if len(rows) == ids.shape[0] else torch.tensor(rows, device=self.device)
+        hidden = self.model(ids, positions, self._attention_fn(inputs), keep)
         # [S, vocab] in the model's dtype: the sampler widens to float32 only if it must
         logits = self.model.compute_logits(hidden, float32=False)
         out = self.sampler(logits, sampling_rows)
