@@ -6,8 +6,9 @@
 // Up to STRIPE_ROWS rows x STRIPE columns of sums in registers, one FMA per row and weight
 // vector, k ascending: every output is one chain of FMAs in one order whatever M is, so a
 // row's numbers do not depend on its batch. Each thread owns a range of stripes; rows go in
-// blocks of STRIPE_ROW_BLOCK (that block of x stays in L2 while the stripes stream by), each
-// block in passes of up to STRIPE_ROWS rows split evenly. bfloat16 activations are widened
+// blocks of STRIPE_ROW_BLOCK (that block of x stays in cache while the stripes stream by, and
+// a stripe of blocks is widened once per block), each block in passes of up to STRIPE_ROWS
+// rows split evenly. bfloat16 activations are widened
 // once per call into float32 scratch, and outputs rounded to the activations' type once, at
 // the end of each chain.
 #pragma once
@@ -19,7 +20,7 @@
 static const int STRIPE = 2 * VF::W;
 // sums in registers: 2 per row, with 2 weight vectors and a broadcast beside them
 static const int STRIPE_ROWS = (VF::REGS - 3) / 2 < 12 ? (VF::REGS - 3) / 2 : 12;
-static const long STRIPE_ROW_BLOCK = 20 * STRIPE_ROWS;
+static const long STRIPE_ROW_BLOCK = 240;  // on every target: AVX2's narrower passes too
 
 // A source is what one stripe's weights are read through: ``group(k0)`` for the GROUP k's
 // from k0 (K is a multiple of GROUP), whose ``weights(kk, w0, w1)`` gives the two weight
