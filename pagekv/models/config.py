@@ -141,6 +141,18 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def fused_slices(self) -> dict[str, slice]:
+        """Row ranges of each projection inside the fused qkv_proj and gate_up_proj."""
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate_size
+        return {
+            "q": slice(0, q),
+            "k": slice(q, q + kv),
+            "v": slice(q + kv, q + 2 * kv),
+            "gate": slice(0, inter),
+            "up": slice(inter, 2 * inter),
+        }
+
+    @property
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window (None: it sees every earlier position)."""
         window, types = self.sliding_window, self.layer_types

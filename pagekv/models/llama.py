@@ -63,7 +63,7 @@ from pagekv.models.rope import rope_cos_sin
 # unless the architecture says otherwise) and causality itself.
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# HF name inside a layer -> (our parameter, which stacked slice): slices index _fused_slices().
+# HF name inside a layer -> (our parameter, which stacked slice): slices index config.fused_slices.
 _LAYER_PARAMS: dict[str, tuple[str, str | None]] = {
     "input_layernorm.weight": ("input_layernorm", None),
     "post_attention_layernorm.weight": ("post_attention_layernorm", None),
@@ -127,8 +127,7 @@ class LlamaDecoderLayer(nn.Module):
 
         Returns (this layer's output, the residual stream), both [T, hidden]; their sum is the
         hidden state. ``residual`` may be updated in place (``LayerOps.add_rms_norm``).
-        ``keep`` (int64 rows, or None for all): past the attention, which sees and caches
-        every row, only these rows go on, and the two are [len(keep), hidden].
+        ``keep`` (int64 rows): past the attention (of every row), only these rows go on.
         """
         ops, eps, cfg = self.ops, self.config.rms_norm_eps, self.config
         # the first layer: the embeddings are the residual stream, and nothing is added to it
@@ -234,10 +233,8 @@ class LlamaForCausalLM(nn.Module):
         attention: AttentionFn,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden], or with
-        ``keep`` (int64 rows) those rows' [len(keep), hidden]: the last layer's attention still
-        caches every row, and only the kept rows go through its output projection and MLP (a
-        prompt's rows but the one it samples need nothing past its K/V).
+        """input_ids, positions: int64 [T] -> final-normed hidden states [T, hidden], or only
+        the ``keep`` rows' (int64): the last layer caches every row's K/V, then goes on with those.
 
         When ``attention`` also offers itself to C code (a ``native`` attribute, a
         ``NativeAttention``) and the ops can run this model's layers in one go, they do
@@ -396,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """``parts`` (slice -> weight) become the parameter if they are all of it, in the
         fused order; else each is dequantized into its slice."""
-        slices = _fused_slices(self.config)
+        slices = self.config.fused_slices
         order = sorted(parts, key=lambda part: -1 if part is None else slices[part].start)
         whole = _slice(module, param_name, None, self.config)
         if sum(parts[p].shape[0] for p in order) == whole.shape[0]:
@@ -448,16 +445,4 @@ def _slice(
     param = getattr(module, param_name)
     if not isinstance(param, torch.Tensor):
         raise ModelLoadError(f"{param_name} was loaded twice")
-    return param.data if part is None else param.data[_fused_slices(config)[part]]
-
-
-def _fused_slices(config: ModelConfig) -> dict[str, slice]:
-    """Row ranges of each projection inside the fused qkv_proj and gate_up_proj."""
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
-    return {
-        "q": slice(0, q),
-        "k": slice(q, q + kv),
-        "v": slice(q + kv, q + 2 * kv),
-        "gate": slice(0, inter),
-        "up": slice(inter, 2 * inter),
-    }
+    return param.data if part is None else param.data[config.fused_slices[part]]
