@@ -539,33 +539,105 @@ extern "C" int decode_attention_bf16_d64(const void*, const void*, const void*, 
 
 // Float32 prefill attention on the vector layer (every target): the same work as the tile
 // kernel with float32 FMAs. Per (chunk, kv head) the keys are packed once transposed in blocks
-// of KB = VF::W keys ([S/KB][D][KB]: dim d of KB keys in one vector) and the values copied
-// contiguous ([S][D]), both as float32 (bfloat16 K/V are widened here, once); per (chunk, query
-// head, block of 16 queries) the rows' scores take one FMA per key block per dim with the
-// query's number broadcast (QR rows of sums in registers at a time), the softmax and the sum of
-// values stay in float32 throughout, as torch's SDPA keeps them; outputs are rounded to the
-// inputs' type once. Only the order of the sums differs from SDPA's.
+// of KB = VF::W keys ([S/KB][D][KB]: dim d of KB keys in one vector) and the values in panels
+// of the dims one P.V pass reads ([D/PANEL][S][PANEL]: each pass streams contiguous memory),
+// both as float32 (bfloat16 K/V are widened here, once). Per (chunk, query head, block of 16
+// queries): the scores, SCORE_ROWS rows x SCORE_BLOCKS key blocks of sums in registers, one FMA
+// per key block and dim with the query's number broadcast; the softmax; the sum of values,
+// PV_ROWS rows x a panel in registers. All in float32, as torch's SDPA keeps them; outputs are
+// rounded to the inputs' type once. Only the order of the sums differs from SDPA's. The tiles
+// keep the loads (vectors and broadcasts) at about two per three FMAs, so that the FMAs set
+// the pace; in_register stops the compiler from folding a vector's load into every FMA that
+// reads it (a load per FMA again).
 namespace f32 {
 static const int D = 64;
 static const int KB = VF::W;                        // keys per packed block
-static const int QR = VF::REGS >= 32 ? 16 : 8;      // query rows of score sums in registers
+static const int SCORE_ROWS = VF::REGS >= 32 ? 8 : 6;  // scores: query rows x key blocks of
+static const int SCORE_BLOCKS = VF::REGS >= 32 ? 3 : 2;  // sums in registers at a time
 static const int PV_COLS = VF::REGS >= 32 ? D / VF::W : 2;  // P.V: output vectors per pass
+static const int PV_ROWS = 6;                                // P.V: rows per pass
+static const int PANEL = PV_COLS * VF::W;                    // P.V: dims per pass
 
 template <typename T>
 static void pack_kv(const T* kc, const T* vc, const int32_t* table, int seq_len, int padded,
                     int block_size, long token_stride, int h, float* kt, float* vp) {
     for (int t = 0; t < padded; ++t) {
         float* tile = kt + long(t / KB) * KB * D + t % KB;  // column t % KB of its block
-        float* v = vp + long(t) * D;
+        float* v = vp + long(t) * PANEL;  // its first panel; the next padded * PANEL on
         if (t < seq_len) {
             const long slot = long(table[t / block_size]) * block_size + t % block_size;
             const T* k = kc + slot * token_stride + long(h) * D;
             const T* vs = vc + slot * token_stride + long(h) * D;
             for (int d = 0; d < D; ++d) tile[d * KB] = load(k[d]);
-            for (int d = 0; d < D; ++d) v[d] = load(vs[d]);
+            for (int d = 0; d < D; ++d) v[d / PANEL * padded * PANEL + d % PANEL] = load(vs[d]);
         } else {  // past the sequence: zeros (never weighted, but read by the last block)
             for (int d = 0; d < D; ++d) tile[d * KB] = 0.f;
-            std::memset(v, 0, D * 4);
+            for (int d = 0; d < D; ++d) v[d / PANEL * padded * PANEL + d % PANEL] = 0.f;
+        }
+    }
+}
+
+// Scores of query rows [0, N) of qbuf against key blocks [0, B) of kt (KB keys each), N x B
+// vectors of sums in registers, stored at `scores` (rows `width` apart); each score one chain
+// of FMAs over the dims. `rows` and `blocks` beyond N and B take N and B; below, the first.
+template <int N, int B>
+static inline void score_tile(int rows, int blocks, const float (*qbuf)[D], const float* kt,
+                              float* scores, int width) {
+    if constexpr (N > 1)
+        if (rows < N) return score_tile<N - 1, B>(rows, blocks, qbuf, kt, scores, width);
+    if constexpr (B > 1)
+        if (blocks < B) return score_tile<N, B - 1>(rows, blocks, qbuf, kt, scores, width);
+    VF s[N][B];
+    for (int m = 0; m < N; ++m)
+        for (int b = 0; b < B; ++b) s[m][b] = VF::zero();
+    for (int d = 0; d < D; ++d) {
+        VF k[B];
+        for (int b = 0; b < B; ++b) {
+            k[b] = VF::load(kt + long(b) * KB * D + d * KB);
+            k[b].in_register();
+        }
+        for (int m = 0; m < N; ++m) {
+            const VF qm = VF::set1(qbuf[m][d]);
+            for (int b = 0; b < B; ++b) s[m][b] = fma(qm, k[b], s[m][b]);
+        }
+    }
+    for (int m = 0; m < N; ++m)
+        for (int b = 0; b < B; ++b) s[m][b].store(scores + long(m) * width + b * KB);
+}
+
+// Rows [0, N) of out = their probabilities (rows of p, width apart) . the values of keys
+// [0, reach) (panels of PANEL dims, `panel_floats` apart), divided by each row's sum; a panel
+// (C vectors) of each row at a time. The row count is a template argument so that the sums
+// stay in registers (`count` below N: the first count rows). Each output is one chain of FMAs,
+// keys ascending.
+template <int N, typename T>
+static inline void pv_rows(int count, const float* p, int width, int reach, const float* vp,
+                           long panel_floats, const float* sums, T* out, long row_stride) {
+    if constexpr (N > 1)
+        if (count < N)
+            return pv_rows<N - 1>(count, p, width, reach, vp, panel_floats, sums, out,
+                                  row_stride);
+    constexpr int C = PV_COLS;
+    for (int c0 = 0; c0 < D / VF::W; c0 += C) {
+        VF a[N][C];
+        for (int m = 0; m < N; ++m)
+            for (int c = 0; c < C; ++c) a[m][c] = VF::zero();
+        for (int t = 0; t < reach; ++t) {
+            const float* v = vp + c0 / C * panel_floats + long(t) * PANEL;
+            VF vv[C];
+            for (int c = 0; c < C; ++c) {
+                vv[c] = VF::load(v + c * VF::W);
+                vv[c].in_register();
+            }
+            for (int m = 0; m < N; ++m) {
+                const VF pm = VF::set1(p[long(m) * width + t]);
+                for (int c = 0; c < C; ++c) a[m][c] = fma(pm, vv[c], a[m][c]);
+            }
+        }
+        for (int m = 0; m < N; ++m) {
+            const VF inv = VF::set1(1.f / sums[m]);
+            T* o = out + m * row_stride + c0 * VF::W;
+            for (int c = 0; c < C; ++c) (a[m][c] * inv).store(o + c * VF::W);
         }
     }
 }
@@ -574,55 +646,34 @@ static void pack_kv(const T* kc, const T* vc, const int32_t* table, int seq_len,
 // [0, first_visible + r). Writes their outputs. `scores`: 16 x width floats of scratch.
 template <typename T>
 static void attend_block(const T* q, T* out, long row_stride, int rows, int first_visible,
-                         const float* kt, const float* vp, float scale, float* scores,
-                         int width) {
+                         const float* kt, const float* vp, int padded, float scale,
+                         float* scores, int width) {
     alignas(64) float qbuf[16][D];
     for (int r = 0; r < 16; ++r)
         for (int d = 0; d < D; ++d) qbuf[r][d] = r < rows ? load(q[r * row_stride + d]) : 0.f;
     const int keys = first_visible + rows - 1;  // the most any row sees
     const int blocks = (keys + KB - 1) / KB;
-    for (int kb = 0; kb < blocks; ++kb) {
-        const float* t = kt + long(kb) * KB * D;
-        for (int m0 = 0; m0 < rows; m0 += QR) {
-            VF s[QR];
-            for (int m = 0; m < QR; ++m) s[m] = VF::zero();
-            for (int d = 0; d < D; ++d) {
-                const VF k = VF::load(t + d * KB);
-                for (int m = 0; m < QR; ++m) s[m] = fma(VF::set1(qbuf[m0 + m][d]), k, s[m]);
-            }
-            for (int m = 0; m < QR && m0 + m < rows; ++m)
-                s[m].store(scores + long(m0 + m) * width + kb * KB);
+    // the rows in passes of at most SCORE_ROWS, split evenly (16: 6, 5, 5 rather than 6, 6, 4)
+    const int passes = (rows + SCORE_ROWS - 1) / SCORE_ROWS;
+    for (int kb = 0; kb < blocks; kb += SCORE_BLOCKS)
+        for (int pass = 0; pass < passes; ++pass) {
+            const int m0 = rows * pass / passes, m1 = rows * (pass + 1) / passes;
+            score_tile<SCORE_ROWS, SCORE_BLOCKS>(m1 - m0, blocks - kb, qbuf + m0,
+                                                 kt + long(kb) * KB * D,
+                                                 scores + long(m0) * width + kb * KB, width);
         }
-    }
     float sums[16];
     for (int r = 0; r < rows; ++r) {  // in place: the numerators over the scores, in float32
         float* x = scores + long(r) * width;
         const auto store = [x](int k, VF e) { e.store(x + k); };
         exp_row(x, first_visible + r, blocks * KB, scale, store, sums + r);
     }
-    constexpr int C = PV_COLS;
-    for (int m0 = 0; m0 < rows; m0 += 4) {  // P.V, four rows at a time, C vectors a pass
-        const int count = rows - m0 < 4 ? rows - m0 : 4;
-        const int reach = first_visible + m0 + count - 1;  // keys any of these rows sees
-        for (int c0 = 0; c0 < D / VF::W; c0 += C) {
-            VF a[4][C];
-            for (int m = 0; m < 4; ++m)
-                for (int c = 0; c < C; ++c) a[m][c] = VF::zero();
-            for (int t = 0; t < reach; ++t) {
-                const float* v = vp + long(t) * D + (c0 * VF::W);
-                VF vv[C];
-                for (int c = 0; c < C; ++c) vv[c] = VF::load(v + c * VF::W);
-                for (int m = 0; m < count; ++m) {
-                    const VF p = VF::set1(scores[long(m0 + m) * width + t]);
-                    for (int c = 0; c < C; ++c) a[m][c] = fma(p, vv[c], a[m][c]);
-                }
-            }
-            for (int m = 0; m < count; ++m) {
-                const VF inv = VF::set1(1.f / sums[m0 + m]);
-                T* o = out + (m0 + m) * row_stride + c0 * VF::W;
-                for (int c = 0; c < C; ++c) (a[m][c] * inv).store(o + c * VF::W);
-            }
-        }
+    const int pv_passes = (rows + PV_ROWS - 1) / PV_ROWS;  // P.V: rows split as above
+    for (int pass = 0; pass < pv_passes; ++pass) {
+        const int m0 = rows * pass / pv_passes, m1 = rows * (pass + 1) / pv_passes;
+        const int reach = first_visible + m1 - 1;  // keys any of these rows sees
+        pv_rows<PV_ROWS>(m1 - m0, scores + long(m0) * width, width, reach, vp,
+                         long(padded) * PANEL, sums + m0, out + m0 * row_stride, row_stride);
     }
 }
 
@@ -653,9 +704,9 @@ static int prefill(const T* qs, const T* kc, const T* vc, T* os, const Chunk* ch
             const PrefillWork::Item it = work.item(i);
             const float* kt = tiles + it.pack;
             const long at = it.first_row * row_stride + it.head * D;
+            const int padded = work.padded(it.chunk);
             attend_block(qs + at, os + at, row_stride, it.rows, it.first_visible, kt,
-                         kt + long(work.padded(it.chunk)) * D, scale, scores.data(),
-                         work.width);
+                         kt + long(padded) * D, padded, scale, scores.data(), work.width);
         }
     }
     return 0;

@@ -64,6 +64,9 @@ struct VF {
     }
     void store(float* p) const { _mm512_storeu_ps(p, v); }
     void store_first(float* p, int n) const { _mm512_mask_storeu_ps(p, first_mask(n), v); }
+    // The value from here on in a register: a load the compiler would otherwise fold into
+    // each instruction that uses the value (a load per use, where the loop is load-bound).
+    void in_register() { __asm__("" : "+v"(v)); }
     bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
     int first_equal(float x) const {  // the first lane equal to x, or -1
         const unsigned m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ);
@@ -155,6 +158,9 @@ struct VF {
         if (n >= W) return store(p);
         _mm256_maskstore_ps(p, first_mask(n), v);
     }
+    // The value from here on in a register: a load the compiler would otherwise fold into
+    // each instruction that uses the value (a load per use, where the loop is load-bound).
+    void in_register() { __asm__("" : "+x"(v)); }
     bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
     int first_equal(float x) const {  // the first lane equal to x, or -1
         const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(x), _CMP_EQ_OQ));
@@ -254,6 +260,7 @@ struct VF {
     void store_first(float* p, int n) const {
         for (int i = 0; i < n && i < W; ++i) p[i] = v[i];
     }
+    void in_register() {}  // the compiler's choice
     bool any_nan() const { return v[0] != v[0] || v[1] != v[1] || v[2] != v[2] || v[3] != v[3]; }
     int first_equal(float x) const {  // the first lane equal to x, or -1
         for (int i = 0; i < W; ++i)
