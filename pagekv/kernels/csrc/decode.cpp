@@ -308,13 +308,6 @@ static inline void softmax_rows(float* scores, int rows, int len, long stride, f
     }
 }
 
-// Requests [start, start + bytes) into L2. Not L1: requests for L1 hold its few miss buffers
-// until their lines arrive, so fewer rows are in flight and K/V streams more slowly.
-static inline void prefetch_l2(const void* start, long bytes) {
-    for (long byte = 0; byte < bytes; byte += 64)
-        __builtin_prefetch((const char*)start + byte, 0, 2);
-}
-
 // Into L2, the rows of kv head `kvh` at positions [first, end): blocks sit anywhere in the
 // pool, so the hardware prefetcher loses the stream at every block boundary.
 template <typename KV, int D>

@@ -89,6 +89,7 @@ struct QuantStripes {
     const uint8_t* p;
     long K;
     Source at(long s) const { return {p + s * F::stripe_bytes(K)}; }
+    long stripe_bytes() const { return F::stripe_bytes(K); }
 };
 
 // The decoded form [N rows] (pagekv/models/quantized.py: q [N, K]; d, dm fp16 [N, K / SUPER];

@@ -48,6 +48,7 @@ struct DenseStripes {
     const WT* p;
     long K;
     Source at(long s) const { return {p + s * K * STRIPE}; }
+    long stripe_bytes() const { return K * STRIPE * long(sizeof(WT)); }
 };
 
 template <typename WT>
@@ -157,6 +158,9 @@ static int stripes_matmul(const XT* x, const Stripes& stripes, XT* out, long M, 
                     }
                 };
                 const Src src = stripes.at(s);
+                // the next stripe, into L2 during this one's passes (the hardware prefetcher
+                // loses a stream that many passes apart)
+                if (s + 1 < s1) prefetch_l2(stripes.at(s + 1).p, stripes.stripe_bytes());
                 if constexpr (Src::WIDEN) {
                     if (passes > 1) {
                         run(DenseStripe<float>{widened(src, K, wide)});
