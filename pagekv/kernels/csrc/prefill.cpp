@@ -563,16 +563,18 @@ static void pack_kv(const T* kc, const T* vc, const int32_t* table, int seq_len,
                     int block_size, long token_stride, int h, float* kt, float* vp) {
     for (int t = 0; t < padded; ++t) {
         float* tile = kt + long(t / KB) * KB * D + t % KB;  // column t % KB of its block
-        float* v = vp + long(t) * PANEL;  // its first panel; the next padded * PANEL on
+        const auto value = [vp, padded, t](int d) -> float& {  // dim d of value t, in its panel
+            return vp[(long(d / PANEL) * padded + t) * PANEL + d % PANEL];
+        };
         if (t < seq_len) {
             const long slot = long(table[t / block_size]) * block_size + t % block_size;
             const T* k = kc + slot * token_stride + long(h) * D;
             const T* vs = vc + slot * token_stride + long(h) * D;
             for (int d = 0; d < D; ++d) tile[d * KB] = load(k[d]);
-            for (int d = 0; d < D; ++d) v[d / PANEL * padded * PANEL + d % PANEL] = load(vs[d]);
+            for (int d = 0; d < D; ++d) value(d) = load(vs[d]);
         } else {  // past the sequence: zeros (never weighted, but read by the last block)
             for (int d = 0; d < D; ++d) tile[d * KB] = 0.f;
-            for (int d = 0; d < D; ++d) v[d / PANEL * padded * PANEL + d % PANEL] = 0.f;
+            for (int d = 0; d < D; ++d) value(d) = 0.f;
         }
     }
 }
