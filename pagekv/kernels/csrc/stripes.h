@@ -14,6 +14,7 @@
 #pragma once
 #include <omp.h>
 #include <cstdint>
+#include <utility>
 #include <vector>
 #include "vec.h"
 
@@ -25,7 +26,7 @@ static const long STRIPE_ROW_BLOCK = 240;  // on every target: AVX2's narrower p
 // A source is what one stripe's weights are read through: ``group(k0)`` for the GROUP k's
 // from k0 (K is a multiple of GROUP), whose ``weights(kk, w0, w1)`` gives the two weight
 // vectors at k0 + kk. WIDEN: whether the weights are not float32 as stored, so that several
-// passes over a stripe read it widened once (widened() below) instead of each widening it.
+// passes over a stripe read it widened once (Widening below) instead of each widening it.
 template <typename WT>
 struct DenseStripe {
     static constexpr int GROUP = 1;
@@ -105,24 +106,27 @@ static inline const float* as_f32(const uint16_t* x, long n, int threads) {
     return w;
 }
 
-// A stripe's weights widened once into `wide` (this thread's, in L2) for the passes that read
-// it: each then multiplies float32 without widening again (the same numbers, so the same
-// sums); a single pass (a few rows, memory-bound) reads the stripe itself, fewer bytes.
+// A stripe read through its source that also writes what it reads into `wide` ([K][STRIPE],
+// this thread's, in L2): the first pass over a stripe widens it for the passes after it, which
+// then multiply float32 without widening again (the same numbers, so the same sums). Widening
+// inside that pass hides the stores and the wait for the stripe's bytes behind its FMAs; a
+// single pass (a few rows, memory-bound) reads the stripe itself, fewer bytes.
 template <class Src>
-static const float* widened(const Src& src, long K, std::vector<float>& wide) {
-    if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
-    float* w = wide.data();
-    for (long k0 = 0; k0 < K; k0 += Src::GROUP) {
-        const auto group = src.group(k0);
-        for (int kk = 0; kk < Src::GROUP; ++kk) {
-            VF w0, w1;
-            group.weights(kk, w0, w1);
-            w0.store(w + (k0 + kk) * STRIPE);
-            w1.store(w + (k0 + kk) * STRIPE + VF::W);
+struct Widening {
+    static constexpr int GROUP = Src::GROUP;
+    Src src;
+    float* wide;
+    struct Group {
+        decltype(std::declval<Src>().group(0)) from;
+        float* to;
+        void weights(int kk, VF& w0, VF& w1) const {
+            from.weights(kk, w0, w1);
+            w0.store(to + kk * STRIPE);
+            w1.store(to + kk * STRIPE + VF::W);
         }
-    }
-    return w;
-}
+    };
+    Group group(long k0) const { return {src.group(k0), wide + k0 * STRIPE}; }
+};
 
 // out [M, N] (row stride ldo) = x [M, K] @ the N columns of `stripes`; -1 for a shape it
 // cannot take.
@@ -149,12 +153,15 @@ static int stripes_matmul(const XT* x, const Stripes& stripes, XT* out, long M, 
                     ++s;
                     continue;
                 }
-                const auto run = [&](const auto& src) {
-                    for (long pass = 0; pass < passes; ++pass) {  // rows split evenly
+                // passes of rows split evenly: the first through `head`, the rest through `rest`
+                const auto run = [&](const auto& head, const auto& rest) {
+                    for (long pass = 0; pass < passes; ++pass) {
                         const long m0 = first + block * pass / passes;
                         const long rows = first + block * (pass + 1) / passes - m0;
-                        stripe_rows<STRIPE_ROWS, 1>(xs + m0 * K, rows, &src,
-                                                    out + m0 * ldo + s * STRIPE, K, ldo);
+                        const float* xm = xs + m0 * K;
+                        XT* o = out + m0 * ldo + s * STRIPE;
+                        if (pass == 0) stripe_rows<STRIPE_ROWS, 1>(xm, rows, &head, o, K, ldo);
+                        else stripe_rows<STRIPE_ROWS, 1>(xm, rows, &rest, o, K, ldo);
                     }
                 };
                 const Src src = stripes.at(s);
@@ -163,11 +170,12 @@ static int stripes_matmul(const XT* x, const Stripes& stripes, XT* out, long M, 
                 if (s + 1 < s1) prefetch_l2(stripes.at(s + 1).p, stripes.stripe_bytes());
                 if constexpr (Src::WIDEN) {
                     if (passes > 1) {
-                        run(DenseStripe<float>{widened(src, K, wide)});
+                        if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
+                        run(Widening<Src>{src, wide.data()}, DenseStripe<float>{wide.data()});
                         continue;
                     }
                 }
-                run(src);
+                run(src, src);
             }
         }
     }
