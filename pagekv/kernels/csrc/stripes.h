@@ -128,6 +128,21 @@ struct Widening {
     Group group(long k0) const { return {src.group(k0), wide + k0 * STRIPE}; }
 };
 
+// A source whose reader requests another stripe (`next`, null for none) into L2 as it goes,
+// `slice` bytes per group of k's: requested all at once, a stripe's lines would fill the
+// core's miss buffers and stall the pass until they arrive.
+template <class Src>
+struct Fetching {
+    static constexpr int GROUP = Src::GROUP;
+    Src src;
+    const char* next;
+    long slice;
+    auto group(long k0) const {
+        if (next != nullptr) prefetch_l2(next + k0 / GROUP * slice, slice);
+        return src.group(k0);
+    }
+};
+
 // out [M, N] (row stride ldo) = x [M, K] @ the N columns of `stripes`; -1 for a shape it
 // cannot take.
 template <class Stripes, typename XT>
@@ -165,17 +180,20 @@ static int stripes_matmul(const XT* x, const Stripes& stripes, XT* out, long M, 
                     }
                 };
                 const Src src = stripes.at(s);
-                // the next stripe, into L2 during this one's passes (the hardware prefetcher
-                // loses a stream that many passes apart)
-                if (s + 1 < s1) prefetch_l2(stripes.at(s + 1).p, stripes.stripe_bytes());
+                // the next stripe, into L2 during this one's first pass (the hardware
+                // prefetcher loses a stream that many passes apart)
+                const char* next = s + 1 < s1 ? (const char*)stripes.at(s + 1).p : nullptr;
+                const long slice = (stripes.stripe_bytes() * Src::GROUP / K + 63) / 64 * 64;
                 if constexpr (Src::WIDEN) {
                     if (passes > 1) {
                         if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
-                        run(Widening<Src>{src, wide.data()}, DenseStripe<float>{wide.data()});
+                        const Widening<Src> widening{src, wide.data()};
+                        run(Fetching<Widening<Src>>{widening, next, slice},
+                            DenseStripe<float>{wide.data()});
                         continue;
                     }
                 }
-                run(src, src);
+                run(Fetching<Src>{src, next, slice}, src);
             }
         }
     }
