@@ -17,6 +17,8 @@ from openai import OpenAI
 from test_server_support import ServerProcess, nothing_in_use, start_server, wait_until
 from test_structured_output import CHOICES, QUESTIONS, REGEX, SCHEMAS
 
+from pagekv.kernels import isa
+
 pytestmark = pytest.mark.model
 
 NUM_REQUESTS = 200
@@ -147,7 +149,15 @@ def test_rows_without_a_constraint_are_bit_identical_beside_constrained_ones(
         beside = list(pool.map(plain, QUESTIONS))
         for future in busy:
             future.result()
-    assert beside == alone
+    if isa.selected() is not None:  # the kernels: a row's sums do not depend on its batch
+        assert beside == alone
+        return
+    # kernels off (PAGEKV_CPU_ISA=none): torch's matmuls sum a row in an order that depends
+    # on the batch's size, so the same greedy text with log-probabilities a rounding apart
+    for here, there in zip(alone, beside, strict=True):
+        (text, logprobs), (text_beside, logprobs_beside) = json.loads(here), json.loads(there)
+        assert text_beside == text
+        assert logprobs_beside == pytest.approx(logprobs, abs=1e-3)
 
 
 @pytest.mark.parametrize("stream", [False, True])
