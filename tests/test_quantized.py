@@ -128,6 +128,42 @@ def test_quantized_matmul_matches_the_dequantized_weights(
     assert (got.double() - want.double()).abs().max() <= want.double().abs().max() / 64
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
+def test_gated_linear_is_silu_mul_of_linear(
+    ops: fused_ops.FusedOps, qtype: QT, dtype: torch.dtype
+) -> None:
+    """A gated MLP's weight (gate's rows, then up's) in one pass that writes only
+    silu(gate) * up: exactly silu_mul of the matmul's output, for one pass of a few rows,
+    several passes, and several row blocks."""
+    weight = quantized([qtype, qtype], 32, seed=5)
+    packed = ops.pack(weight)
+    assert isinstance(packed, PackedQuant)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 3, 7, 13, 241, 300):
+        x = torch.randn(rows, WIDTH, generator=gen).to(dtype)
+        fused = ops.quant.gated(x, packed, 2)
+        if dtype == torch.float32:  # bf16 batches may go to AVX512-BF16's tiles instead
+            assert fused is not None, "the kernel declined a gated weight it should take"
+        got = ops.gated_linear(x, weight, packed, None)
+        want = ops.silu_mul(ops.linear(x, weight, packed, None))
+        assert got.shape == (rows, 32) and got.dtype == dtype
+        assert torch.equal(got, want), f"{rows} rows: {int((got != want).sum())} values differ"
+        assert fused is None or torch.equal(fused, want)
+
+
+def test_gated_linear_of_mixed_formats_is_the_two_ops(ops: fused_ops.FusedOps) -> None:
+    """Gate and up of different formats: the one-pass kernel declines, and the ops one by one
+    give the result."""
+    weight = quantized([QT.Q4_K, QT.Q6_K], 32, seed=6)
+    packed = ops.pack(weight)
+    assert isinstance(packed, PackedQuant)
+    x = torch.randn(9, WIDTH)
+    assert ops.quant.gated(x, packed, 2) is None
+    got = ops.gated_linear(x, weight, packed, None)
+    assert torch.equal(got, ops.silu_mul(ops.linear(x, weight, packed, None)))
+
+
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
 def test_bf16_batches_match_the_bf16_rounded_weights(ops: fused_ops.FusedOps, qtype: QT) -> None:
     """bf16 activations in batches of 8 rows or more: where the target has AVX512-BF16, the

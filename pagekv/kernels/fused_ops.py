@@ -1,12 +1,16 @@
 """``LayerOps`` in C++ (``csrc/fused_ops.cpp``): each of RMSNorm(+residual), RoPE+split and
-SiLU*up is one call per layer instead of 3-12 torch ops, for float32 and bfloat16 models; and
-the matmuls, through weights packed once at load:
+SiLU*up is one call per layer instead of 3-12 torch ops, for float32 and bfloat16 models
+(``row_ops``); and the matmuls, through weights packed once at load:
 
 - stripes (every target: AVX-512, AVX2 + FMA, generic): float32 or bfloat16 weights, float32
   FMAs, every row count; bf16 weights are widened in registers, so they stream half the bytes
   of float32 and are never multiplied by emulated bf16 instructions;
 - tiles (AVX512-BF16 vectors or AMX, where the target has them): bfloat16 decode steps of 1-256
   rows, which stream the weights faster than oneDNN does; larger bf16 batches go to oneDNN.
+
+A gated MLP's quantized gate/up weight is one pass that writes only SiLU(gate) * up
+(``gated_linear``): each stripe's gate and up columns stay in cache for the SiLU, the same
+numbers as the matmul and ``silu_mul`` one after the other.
 
 A decode layer's two halves around attention (``attention_inputs``, ``mlp_block``) are one C
 call each on bf16 decode batches: the same kernels in the same order, so the same bits, without
@@ -19,7 +23,7 @@ Owns the choice of layout for each weight (``pack``: the dense stripes and tiles
 ``dense``'s, the quantized stripes ``quant``'s) and the ctypes calls of the layer ops. The
 numbers follow ``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one
 rounding to the dtype wherever torch rounds); only the sum of squares (another order) and exp
-(another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_num_threads()``
+(another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_numthreads()``
 OpenMP threads once a call has enough work; each row is computed the same way whatever the
 split, so threads never change a bit. The stripes sum each output in one order (k ascending,
 one FMA chain) for any row count, so a row's numbers never depend on its batch; the tile
@@ -45,6 +49,7 @@ from pagekv.kernels import build
 from pagekv.kernels.dense import SUFFIXES, DenseKernels, by_dtype
 from pagekv.kernels.layer_stack import Stack
 from pagekv.kernels.quant import PackedQuant, QuantKernels
+from pagekv.kernels.row_ops import RowOps, threads
 from pagekv.models import layer_ops
 from pagekv.models.quantized import QuantizedWeight
 
@@ -55,19 +60,16 @@ DISABLE_ENV = "PAGEKV_FUSED_OPS"
 ONE_CALL_MAX_ROWS = 256
 
 
-class FusedOps:
-    """``LayerOps`` through the loaded library, for the dtypes ``supports`` accepts.
+class FusedOps(RowOps):
+    """``LayerOps`` through the loaded library, for the dtypes ``supports`` accepts: the row
+    ops (``RowOps``), the matmuls and the layer halves.
 
     The C side trusts its pointers, so every call checks dtypes, shapes and layout first and
     raises ValueError on a mismatch (a caller bug, not a fallback case).
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions: dict[tuple[str, torch.dtype], Any] = {  # ctypes functions
-            (op, dtype): function
-            for op in ("add_rms_norm", "split_rope", "silu_mul")
-            for dtype, function in by_dtype(library, op).items()
-        }
+        super().__init__(library)
         self._attention_inputs = library.attention_inputs_bf16
         self._mlp_block = library.mlp_block_bf16
         self._quant_attention_inputs = by_dtype(library, "attention_inputs_quant")
@@ -88,80 +90,6 @@ class FusedOps:
             self._int8_variant = copy.copy(self)
             self._int8_variant.int8_activations = True
         return self._int8_variant
-
-    @staticmethod
-    def supports(dtype: torch.dtype) -> bool:
-        return dtype in SUFFIXES
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        _check_rows(x, weight)
-        out = torch.empty_like(x)
-        fn = self._functions[("add_rms_norm", x.dtype)]
-        fn(None, x.data_ptr(), weight.data_ptr(), out.data_ptr(), *x.shape, eps, _threads())
-        return out
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Updates ``residual`` in place and returns it."""
-        _check_rows(residual, weight)
-        if not (x.is_contiguous() and x.shape == residual.shape and x.dtype == residual.dtype):
-            raise ValueError("fused add_rms_norm: x must match the residual")
-        out = torch.empty_like(x)
-        fn = self._functions[("add_rms_norm", x.dtype)]
-        rows, n = residual.shape
-        fn(
-            x.data_ptr(),
-            residual.data_ptr(),
-            weight.data_ptr(),
-            out.data_ptr(),
-            rows,
-            n,
-            eps,
-            _threads(),
-        )
-        return out, residual
-
-    def split_rope(
-        self,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        num_heads: int,
-        num_kv_heads: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        num_tokens, width = qkv.shape
-        half = cos.shape[-1]
-        head_dim = 2 * half
-        if not (
-            qkv.dtype in SUFFIXES
-            and qkv.stride(1) == 1
-            and width == (num_heads + 2 * num_kv_heads) * head_dim
-            and cos.dtype == sin.dtype == torch.float32
-            and cos.is_contiguous()
-            and sin.is_contiguous()
-            and cos.shape == sin.shape == (num_tokens, half)
-        ):
-            raise ValueError("fused split_rope: wrong dtype, shape or layout of its inputs")
-        q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
-        k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype)
-        v = torch.empty_like(k)
-        fn = self._functions[("split_rope", qkv.dtype)]
-        fn(
-            qkv.data_ptr(),
-            qkv.stride(0),
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            num_tokens,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            _threads(),
-        )
-        return q, k, v
 
     @property
     def matmul_unit(self) -> str | None:
@@ -207,9 +135,25 @@ class FusedOps:
         Quantized stripes: the quantized kernel, float32 or bf16 activations, any row count.
         Otherwise ``layer_ops.linear``."""
         if isinstance(packed, PackedQuant):
-            out = self.quant.linear(x, packed, _threads())
+            out = self.quant.linear(x, packed, threads())
             return out if bias is None else out.add_(bias)
-        return self.dense.linear(x, weight, packed, bias, _threads())
+        return self.dense.linear(x, weight, packed, bias, threads())
+
+    def gated_linear(
+        self,
+        x: torch.Tensor,
+        weight: layer_ops.Weight,
+        packed: layer_ops.Packed,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Quantized stripes without bias: one pass that keeps each stripe's gate and up
+        columns in cache and writes only silu(gate) * up (``QuantKernels.gated``). Otherwise
+        ``silu_mul`` of ``linear``."""
+        if isinstance(packed, PackedQuant) and bias is None:
+            out = self.quant.gated(x, packed, threads())
+            if out is not None:
+                return out
+        return self.silu_mul(self.linear(x, weight, packed, bias))
 
     def packed_rows(self, packed: layer_ops.Packed, ids: torch.Tensor) -> torch.Tensor | None:
         """Quantized stripes' rows, exactly (``QuantKernels.rows``); None for other layouts."""
@@ -253,12 +197,12 @@ class FusedOps:
             if kind == "quant":
                 call = self._quant_attention_inputs[residual.dtype]
                 status = call(
-                    *inputs, eps, *_quant(qkv.packed), *tables, *outputs, *shape, _threads()
+                    *inputs, eps, *_quant(qkv.packed), *tables, *outputs, *shape, threads()
                 )
             else:
                 weights = (_packed(qkv.packed),)
                 status = self._attention_inputs(
-                    *inputs, eps, *weights, *tables, *outputs, *shape, self.dense.unit, _threads()
+                    *inputs, eps, *weights, *tables, *outputs, *shape, self.dense.unit, threads()
                 )
             if status == 0:
                 return q, k, v, residual
@@ -303,7 +247,7 @@ class FusedOps:
                     *_quant(gate_up.packed),
                     *_quant(down.packed),
                     *shape,
-                    _threads(),
+                    threads(),
                 )
             else:
                 status = self._mlp_block(
@@ -315,7 +259,7 @@ class FusedOps:
                     _packed(down.packed),
                     *shape,
                     self.dense.unit,
-                    _threads(),
+                    threads(),
                 )
             if status == 0:
                 return out, residual
@@ -348,7 +292,7 @@ class FusedOps:
     def run_stack(self, stack: object, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """Every layer and the final norm in one ``decoder_stack_*`` call (``Stack.run``)."""
         assert isinstance(stack, Stack)
-        return stack.run(*args, **kwargs, unit=self.dense.unit, threads=_threads())
+        return stack.run(*args, **kwargs, unit=self.dense.unit, threads=threads())
 
     def _one_call(
         self,
@@ -391,20 +335,6 @@ class FusedOps:
                 return False
         return True
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not (
-            gate_up.dtype in SUFFIXES
-            and gate_up.is_contiguous()
-            and gate_up.dim() == 2
-            and gate_up.shape[1] % 2 == 0
-        ):
-            raise ValueError("fused silu_mul: gate_up must be a contiguous [T, 2 * I]")
-        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((rows, inter), dtype=gate_up.dtype)
-        fn = self._functions[("silu_mul", gate_up.dtype)]
-        fn(gate_up.data_ptr(), out.data_ptr(), rows, inter, _threads())
-        return out
-
 
 def _quant(packed: layer_ops.Packed) -> tuple[int, int]:
     """The addresses of quantized stripes' runs and data, as the C layer halves take them."""
@@ -416,22 +346,6 @@ def _packed(packed: layer_ops.Packed) -> int | None:
     """The address of packed tiles or stripes; None for no copy or oneDNN's (no storage)."""
     ours = isinstance(packed, torch.Tensor) and packed.dim() in (3, 4)
     return packed.data_ptr() if ours and isinstance(packed, torch.Tensor) else None
-
-
-def _threads() -> int:
-    return torch.get_num_threads()  # the engine's thread setting, as the decode kernel's
-
-
-def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if not (
-        x.dim() == 2
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and weight.shape == (x.shape[1],)
-        and x.dtype == weight.dtype
-        and x.dtype in SUFFIXES
-    ):
-        raise ValueError("fused rms_norm: x must be a contiguous [T, hidden] like its weight")
 
 
 # No FMA contraction: g++ contracts a * b - c into one rounding even under -std=c++17, and torch

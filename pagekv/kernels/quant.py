@@ -82,6 +82,7 @@ class QuantKernels:
         self._lib = library
         self.stripe = stripe
         self._linear = by_dtype(library, "quant_linear")
+        self._gated = by_dtype(library, "quant_gated")
 
     def pack(
         self,
@@ -151,6 +152,21 @@ class QuantKernels:
             )
             if status != 0:
                 raise ValueError(f"quantized linear declined {rows} x {width} @ {run}")
+        return out
+
+    def gated(self, x: torch.Tensor, packed: PackedQuant, threads: int) -> torch.Tensor | None:
+        """silu(gate) * up [T, I] of x [T, in] @ a gated MLP's weight [2 * I, in]^T (gate's
+        rows, then up's), the numbers ``linear`` and silu_mul give, in one pass; None where
+        the kernel declines the weight (its runs differ in format, int8 dot products)."""
+        rows, width = x.shape
+        fn = self._gated.get(x.dtype)
+        if fn is None or width != packed.shape[1] or not x.is_contiguous():
+            raise ValueError("quantized gated linear: x must be a contiguous float32 or bf16")
+        inter = packed.shape[0] // 2
+        out = torch.empty((rows, inter), dtype=x.dtype)
+        table, data = packed.addresses
+        if fn(table, data, x.data_ptr(), out.data_ptr(), rows, width, inter, threads) != 0:
+            return None
         return out
 
     def rows(self, packed: PackedQuant, ids: torch.Tensor) -> torch.Tensor:

@@ -206,6 +206,13 @@ class LayerOps(Protocol):
         """gate_up [T, 2 * I] (gate, then up) -> silu(gate) * up [T, I], a new tensor."""
         ...
 
+    def gated_linear(
+        self, x: torch.Tensor, weight: Weight, packed: Packed, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``silu_mul(linear(x, weight, packed, bias))``, the same numbers, for a gated MLP's
+        weight [2 * I, in] (gate's rows, then up's): [T, I]."""
+        ...
+
     def attention_inputs(
         self,
         x: torch.Tensor | None,
@@ -293,7 +300,7 @@ def mlp_block(
     """The output projection of attn [T, q_size], the residual add and post-attention norm,
     then the SwiGLU MLP, through ``ops``' own ops."""
     h, residual = ops.add_rms_norm(ops.linear(attn, *o_proj), residual, norm, eps)
-    return ops.linear(ops.silu_mul(ops.linear(h, *gate_up)), *down), residual
+    return ops.linear(ops.gated_linear(h, *gate_up), *down), residual
 
 
 class TorchOps:
@@ -334,6 +341,11 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gated_linear(
+        self, x: torch.Tensor, weight: Weight, packed: Packed, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self.silu_mul(self.linear(x, weight, packed, bias))
 
     # the compositions above, with this object as their ops
     attention_inputs = attention_inputs

@@ -107,20 +107,23 @@ static void split_rope(const T* qkv, long row_stride, T* q, T* k, T* v, const fl
     }
 }
 
-// out [T, I] = dtype(silu(gate)) * up, gate_up [T, 2I]; silu(g) = g / (1 + exp(-g)) in float32.
+// o [n] = dtype(silu(g)) * u; silu(g) = g / (1 + exp(-g)) in float32.
+template <typename T>
+static inline void silu_mul_row(const T* g, const T* u, T* o, long n) {
+    #pragma omp simd
+    for (long i = 0; i < n; ++i) {
+        const float gv = load(g[i]);
+        o[i] = store<T>(round_to<T>(gv / (1.f + exp_any(-gv))) * load(u[i]));
+    }
+}
+
+// out [T, I] = silu_mul_row of each row of gate_up [T, 2I] (gate, then up).
 template <typename T>
 static void silu_mul(const T* gate_up, T* out, long rows, long inter, int threads) {
     #pragma omp parallel for num_threads(threads) if(rows * inter >= PARALLEL_MIN_ELEMENTS)
-    for (long row = 0; row < rows; ++row) {
-        const T* g = gate_up + row * 2 * inter;
-        const T* u = g + inter;
-        T* o = out + row * inter;
-        #pragma omp simd
-        for (long i = 0; i < inter; ++i) {
-            const float gv = load(g[i]);
-            o[i] = store<T>(round_to<T>(gv / (1.f + exp_any(-gv))) * load(u[i]));
-        }
-    }
+    for (long row = 0; row < rows; ++row)
+        silu_mul_row(gate_up + row * 2 * inter, gate_up + row * 2 * inter + inter,
+                     out + row * inter, inter);
 }
 
 // Tiled matmul, bfloat16: out [M, N] = x [M, K] @ w [N, K]^T for decode batches (1 to 256
@@ -542,6 +545,7 @@ struct DenseDecodeMatmul {
         stripes_linear_bf16(x, packed, out, M, K, N, threads);
     }
 #endif
+    int gated(const uint16_t*, uint16_t*, long, long, long, int) const { return -1; }
 };
 
 // A GGUF weight in quantized stripes, in runs (RUN_LONGS above).
@@ -558,6 +562,31 @@ struct QuantDecodeMatmul {
             columns += d[6];
         }
         return M >= 1 && columns == N;
+    }
+    // silu_mul of this weight's output in one pass over it (stripes_gated), the same numbers:
+    // where the weight is a gated MLP's 2I columns, gate's then up's, in one run or in a run
+    // for each of one format, multiplied in stripes; -1 (nothing written) otherwise.
+    template <typename T>
+    int gated(const T* x, T* out, long M, long K, long I, int threads) const {
+        if (!fits(M, K, 2 * I) || I % STRIPE != 0 || runs[0] > 2) return -1;
+        const long *gate = runs + 1, *up = runs[0] == 2 ? gate + RUN_LONGS : gate;
+        for (int i = 0; i < 5; ++i)
+            if (gate[i] != up[i]) return -1;
+        if (gate[8] != 0 || up[8] != 0 || (up != gate && gate[6] != I)) return -1;
+#if defined(__AVX512BF16__)
+        if (std::is_same<T, uint16_t>::value && quant_tiles_fit(M, K, I)) return -1;
+#endif
+        return with_quant_format(int(gate[0]), int(gate[1]), int(gate[2]), int(gate[3]),
+                                 int(gate[4]), [&](auto f) {
+            using F = decltype(f);
+            const uint8_t* up_at = up != gate ? packed + up[7]
+                                              : packed + gate[7] + I / STRIPE * F::stripe_bytes(K);
+            const auto epilogue = [](const T* g, const T* u, T* o) {
+                silu_mul_row(g, u, o, STRIPE);
+            };
+            return stripes_gated(x, QuantStripes<F>{packed + gate[7], K},
+                                 QuantStripes<F>{up_at, K}, out, M, K, I, threads, epilogue);
+        });
     }
     template <typename T>
     void operator()(const T* x, T* out, long M, long K, long N, int threads) const {
@@ -597,8 +626,10 @@ static int mlp_block(const T* attn, T* residual, const MM& o_mm, const T* norm, 
     T* act = gate_up + M * 2 * inter;
     o_mm(attn, o, M, q_size, hidden, threads);
     add_rms_norm<T>(o, residual, norm, h, M, hidden, eps, threads);
-    gate_up_mm(h, gate_up, M, hidden, 2 * inter, threads);
-    silu_mul<T>(gate_up, act, M, inter, threads);
+    if (gate_up_mm.gated(h, act, M, hidden, inter, threads) != 0) {
+        gate_up_mm(h, gate_up, M, hidden, 2 * inter, threads);
+        silu_mul<T>(gate_up, act, M, inter, threads);
+    }
     down_mm(act, out, M, inter, hidden, threads);
     return 0;
 }
@@ -624,6 +655,15 @@ extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* t_o,
                      DenseDecodeMatmul{t_down, unit}, (T*)out, M, hidden, q_size, inter,
                      threads);
 }
+
+#define GATED_ENTRY(SUFFIX, T)                                                                \
+    extern "C" int quant_gated_##SUFFIX(const long* runs, const void* packed, const void* x,   \
+                                        void* out, long M, long K, long I, int threads) {      \
+        return QuantDecodeMatmul{runs, (const uint8_t*)packed}.gated((const T*)x, (T*)out, M,  \
+                                                                     K, I, threads);           \
+    }
+GATED_ENTRY(f32, float)
+GATED_ENTRY(bf16, uint16_t)
 
 #define QUANT_HALVES(SUFFIX, T)                                                               \
     extern "C" int attention_inputs_quant_##SUFFIX(                                           \

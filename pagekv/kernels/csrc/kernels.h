@@ -119,6 +119,13 @@ int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero,
 int quant_linear_bf16(int bits, int group, int superblock, int offsets, int zero, int dots,
                       const void* x, const void* packed, void* out, long M, long K, long N,
                       long ldo, int threads);
+// silu(x @ gate^T) * (x @ up^T) into out [M, I] from a gated MLP's weight in runs (gate's I
+// columns, then up's), the numbers quant_linear_* and silu_mul_* give; -1 (nothing written)
+// for a weight or shape it does not take.
+int quant_gated_f32(const long* runs, const void* packed, const void* x, void* out, long M,
+                    long K, long I, int threads);
+int quant_gated_bf16(const long* runs, const void* packed, const void* x, void* out, long M,
+                     long K, long I, int threads);
 // A decode layer's two halves around attention, bfloat16, in one call each (-1: declined).
 int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
                           const void* t_qkv, const float* cos, const float* sin, void* q,

@@ -143,6 +143,40 @@ struct Fetching {
     }
 };
 
+// Rows [0, block) of x (row stride K) against one stripe into out (row stride ldo), in passes
+// of rows split evenly; `next`: the stripe this thread reads after it (null for none), requested
+// into L2 during the first pass (the hardware prefetcher loses a stream that many passes apart).
+template <class Src, typename XT>
+static void stripe_passes(const float* x, const Src& src, long stripe_bytes, const char* next,
+                          long block, XT* out, long K, long ldo) {
+    const long passes = (block + STRIPE_ROWS - 1) / STRIPE_ROWS;
+    // the first pass through `head`, the rest through `rest`
+    const auto run = [&](const auto& head, const auto& rest) {
+        for (long pass = 0; pass < passes; ++pass) {
+            const long m0 = block * pass / passes, rows = block * (pass + 1) / passes - m0;
+            if (pass == 0) stripe_rows<STRIPE_ROWS, 1>(x + m0 * K, rows, &head, out + m0 * ldo, K, ldo);
+            else stripe_rows<STRIPE_ROWS, 1>(x + m0 * K, rows, &rest, out + m0 * ldo, K, ldo);
+        }
+    };
+    const long slice = (stripe_bytes * Src::GROUP / K + 63) / 64 * 64;
+    if constexpr (Src::WIDEN) {
+        if (passes > 1) {
+            static thread_local std::vector<float> wide;
+            if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
+            const Widening<Src> widening{src, wide.data()};
+            return run(Fetching<Widening<Src>>{widening, next, slice},
+                       DenseStripe<float>{wide.data()});
+        }
+    }
+    run(Fetching<Src>{src, next, slice}, src);
+}
+
+// This thread's share [s0, s1) of `count` stripes or pairs of them.
+static inline std::pair<long, long> thread_share(long count) {
+    const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+    return {count * t / nt, count * (t + 1) / nt};
+}
+
 // out [M, N] (row stride ldo) = x [M, K] @ the N columns of `stripes`; -1 for a shape it
 // cannot take.
 template <class Stripes, typename XT>
@@ -151,49 +185,63 @@ static int stripes_matmul(const XT* x, const Stripes& stripes, XT* out, long M, 
     using Src = typename Stripes::Source;
     if (M < 1 || K < 1 || N % STRIPE != 0 || K % Src::GROUP != 0 || ldo < N) return -1;
     const float* xs = as_f32(x, M * K, threads);
-    const long count = N / STRIPE;
     #pragma omp parallel num_threads(threads)
     {
-        static thread_local std::vector<float> wide;
-        const long t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const long s0 = count * t / nt, s1 = count * (t + 1) / nt;
+        const auto [s0, s1] = thread_share(N / STRIPE);
         for (long first = 0; first < M; first += STRIPE_ROW_BLOCK) {
             const long block = M - first < STRIPE_ROW_BLOCK ? M - first : STRIPE_ROW_BLOCK;
-            const long passes = (block + STRIPE_ROWS - 1) / STRIPE_ROWS;
+            const float* xb = xs + first * K;
+            XT* ob = out + first * ldo;
             for (long s = s0; s < s1; ++s) {
                 if (block <= PAIR_ROWS && s + 1 < s1) {  // one pass of a few rows
                     const Src pair[2] = {stripes.at(s), stripes.at(s + 1)};
-                    stripe_rows<PAIR_ROWS, 2>(xs + first * K, block, pair,
-                                              out + first * ldo + s * STRIPE, K, ldo);
+                    stripe_rows<PAIR_ROWS, 2>(xb, block, pair, ob + s * STRIPE, K, ldo);
                     ++s;
                     continue;
                 }
-                // passes of rows split evenly: the first through `head`, the rest through `rest`
-                const auto run = [&](const auto& head, const auto& rest) {
-                    for (long pass = 0; pass < passes; ++pass) {
-                        const long m0 = first + block * pass / passes;
-                        const long rows = first + block * (pass + 1) / passes - m0;
-                        const float* xm = xs + m0 * K;
-                        XT* o = out + m0 * ldo + s * STRIPE;
-                        if (pass == 0) stripe_rows<STRIPE_ROWS, 1>(xm, rows, &head, o, K, ldo);
-                        else stripe_rows<STRIPE_ROWS, 1>(xm, rows, &rest, o, K, ldo);
-                    }
-                };
-                const Src src = stripes.at(s);
-                // the next stripe, into L2 during this one's first pass (the hardware
-                // prefetcher loses a stream that many passes apart)
                 const char* next = s + 1 < s1 ? (const char*)stripes.at(s + 1).p : nullptr;
-                const long slice = (stripes.stripe_bytes() * Src::GROUP / K + 63) / 64 * 64;
-                if constexpr (Src::WIDEN) {
-                    if (passes > 1) {
-                        if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
-                        const Widening<Src> widening{src, wide.data()};
-                        run(Fetching<Widening<Src>>{widening, next, slice},
-                            DenseStripe<float>{wide.data()});
-                        continue;
-                    }
+                stripe_passes(xb, stripes.at(s), stripes.stripe_bytes(), next, block,
+                              ob + s * STRIPE, K, ldo);
+            }
+        }
+    }
+    return 0;
+}
+
+// out [M, I] = epilogue of x @ gate's I columns and x @ up's (a gated MLP's two halves, the
+// same Stripes type): a stripe of each at a time, computed as stripes_matmul computes it (the
+// same numbers) into this thread's buffer, then `epilogue(g, u, o)` on each row's STRIPE
+// columns of both, so that the [M, 2I] halves are never written out. -1 for a shape it cannot
+// take.
+template <class Stripes, typename XT, class Epilogue>
+static int stripes_gated(const XT* x, const Stripes& gate, const Stripes& up, XT* out, long M,
+                         long K, long I, int threads, Epilogue epilogue) {
+    using Src = typename Stripes::Source;
+    if (M < 1 || K < 1 || I % STRIPE != 0 || K % Src::GROUP != 0) return -1;
+    const float* xs = as_f32(x, M * K, threads);
+    static const long WIDTH = 2 * STRIPE;  // a row of the buffer: gate's columns, then up's
+    #pragma omp parallel num_threads(threads)
+    {
+        static thread_local std::vector<XT> buffer(STRIPE_ROW_BLOCK * WIDTH);
+        XT* both = buffer.data();
+        const auto [s0, s1] = thread_share(I / STRIPE);
+        for (long first = 0; first < M; first += STRIPE_ROW_BLOCK) {
+            const long block = M - first < STRIPE_ROW_BLOCK ? M - first : STRIPE_ROW_BLOCK;
+            const float* xb = xs + first * K;
+            for (long s = s0; s < s1; ++s) {
+                if (block <= PAIR_ROWS) {  // one pass of a few rows over both
+                    const Src pair[2] = {gate.at(s), up.at(s)};
+                    stripe_rows<PAIR_ROWS, 2>(xb, block, pair, both, K, WIDTH);
+                } else {
+                    const char* next = s + 1 < s1 ? (const char*)gate.at(s + 1).p : nullptr;
+                    stripe_passes(xb, gate.at(s), gate.stripe_bytes(), (const char*)up.at(s).p,
+                                  block, both, K, WIDTH);
+                    stripe_passes(xb, up.at(s), up.stripe_bytes(), next, block, both + STRIPE,
+                                  K, WIDTH);
                 }
-                run(Fetching<Src>{src, next, slice}, src);
+                for (long m = 0; m < block; ++m)
+                    epilogue(both + m * WIDTH, both + m * WIDTH + STRIPE,
+                             out + (first + m) * I + s * STRIPE);
             }
         }
     }
