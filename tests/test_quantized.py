@@ -167,7 +167,8 @@ def test_gated_linear_of_mixed_formats_is_the_two_ops(ops: fused_ops.FusedOps) -
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
 def test_bf16_batches_match_the_bf16_rounded_weights(ops: fused_ops.FusedOps, qtype: QT) -> None:
     """bf16 activations in batches of 8 rows or more: where the target has AVX512-BF16, the
-    stripes dequantized into bf16 tiles, so the product of the rows with the weights rounded to
+    stripes dequantized into bf16 tiles (multiplied by AMX where the target has it, in chunks of
+    rows: 1,100 rows are more than one), so the product of the rows with the weights rounded to
     bf16 (the dense bf16 path's weights); elsewhere the stripes' float32 weights. Either to the
     output's bf16 rounding and any order of float32 sums; a row's numbers are those of any
     such batch it is in."""
@@ -176,13 +177,13 @@ def test_bf16_batches_match_the_bf16_rounded_weights(ops: fused_ops.FusedOps, qt
     dense = torch.from_numpy(weight.dequantize())
     tiles = ops.dense.tiles_max_rows > 0  # AVX512-BF16
     dense = (dense.bfloat16() if tiles else dense).double()
-    x = torch.randn(300, WIDTH).bfloat16()
+    x = torch.randn(1100, WIDTH).bfloat16()
     out = ops.linear(x, weight, packed, None)
     assert out.dtype == torch.bfloat16
     exact = x.double() @ dense.T
     sums = 2 * WIDTH * 2.0**-24 * (x.double().abs() @ dense.abs().T)
     assert ((out.double() - exact).abs() <= 2.0**-8 * exact.abs() + sums).all()
-    for rows in (8, 13, 64):
+    for rows in (8, 13, 64, 1030):
         assert torch.equal(ops.linear(x[:rows].contiguous(), weight, packed, None), out[:rows])
 
 

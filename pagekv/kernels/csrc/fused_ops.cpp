@@ -171,12 +171,13 @@ static inline void prefetch_share(const uint16_t* next, long KB, long kb, long p
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-// Row blocks b0 (and b0 + 1 if TWO) of x against one 32-column stripe (tiles b and b + KB*512):
-// pass `pass` of `passes` over this stripe, which prefetches its share of the next stripe.
+// Row blocks b0 (and b0 + 1 if TWO) of x against one 32-column stripe (tiles b and b + KB*512)
+// into out (row stride ldo): pass `pass` of `passes` over this stripe, which prefetches its
+// share of the next stripe.
 template <bool TWO>
 static inline void amx_block(const uint16_t* a0, const uint16_t* a1, const uint16_t* b,
                              const uint16_t* next, uint16_t* out, long rows0, long rows1,
-                             long K, long N, float (*c)[16][16], long pass, long passes) {
+                             long K, long ldo, float (*c)[16][16], long pass, long passes) {
     const long KB = K / 32;
     const uint16_t* b1 = b + KB * 512;
     _tile_zero(0);
@@ -200,22 +201,48 @@ static inline void amx_block(const uint16_t* a0, const uint16_t* a1, const uint1
     if (TWO) { _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64); }
     for (int h = 0; h < (TWO ? 2 : 1); ++h)
         for (long r = 0; r < (h ? rows1 : rows0); ++r) {
-            uint16_t* o = out + (h * 16 + r) * N;
+            uint16_t* o = out + (h * 16 + r) * ldo;
             store_bf16x16(o, _mm512_load_ps(c[2 * h][r]));
             store_bf16x16(o + 16, _mm512_load_ps(c[2 * h + 1][r]));
         }
 }
 
+// x's 16-row blocks as tiles load them (16 rows each): a partial last block is copied into
+// 16 rows, zeros after the real ones.
+struct RowBlocks {
+    const uint16_t* x;
+    long M, K, full, blocks;
+    std::vector<uint16_t> tail;
+    RowBlocks(const uint16_t* x, long M, long K)
+        : x(x), M(M), K(K), full(M / 16), blocks((M + 15) / 16), tail(M % 16 ? 16 * K : 0, 0) {
+        if (M % 16) std::memcpy(tail.data(), x + full * 16 * K, (M % 16) * K * 2);
+    }
+    const uint16_t* rows(long blk) const { return blk < full ? x + blk * 16 * K : tail.data(); }
+    long count(long blk) const { return blk < full ? 16 : M % 16; }
+};
+
+// Row blocks [b0, b1) of x against one stripe's tiles `b`, two blocks a pass, into out (row
+// stride ldo); `next`: the stripe after it, prefetched over these passes (null for none).
+static void amx_stripe(const RowBlocks& xb, long b0, long b1, const uint16_t* b,
+                       const uint16_t* next, uint16_t* out, long K, long ldo,
+                       float (*c)[16][16]) {
+    const long passes = (b1 - b0 + 1) / 2;
+    for (long blk = b0; blk < b1; blk += 2) {
+        uint16_t* o = out + blk * 16 * ldo;
+        if (blk + 1 < b1)
+            amx_block<true>(xb.rows(blk), xb.rows(blk + 1), b, next, o, xb.count(blk),
+                            xb.count(blk + 1), K, ldo, c, (blk - b0) / 2, passes);
+        else
+            amx_block<false>(xb.rows(blk), nullptr, b, next, o, xb.count(blk), 0, K, ldo, c,
+                             (blk - b0) / 2, passes);
+    }
+}
+
 static void amx_linear(const void* x, const void* packed, void* out, long M, long K, long N,
                        int threads) {
-    const uint16_t* xs = (const uint16_t*)x;
     const uint16_t* ps = (const uint16_t*)packed;
-    uint16_t* os = (uint16_t*)out;
-    const long full = M / 16, blocks = (M + 15) / 16, KB = K / 32, stripes = N / 32;
-    std::vector<uint16_t> tail(M % 16 ? 16 * K : 0, 0);  // a tile always loads 16 rows
-    if (M % 16) std::memcpy(tail.data(), xs + full * 16 * K, (M % 16) * K * 2);
-    auto rows_of = [&](long blk) { return blk < full ? xs + blk * 16 * K : tail.data(); };
-    auto count_of = [&](long blk) { return blk < full ? 16L : M % 16; };
+    const RowBlocks xb((const uint16_t*)x, M, K);
+    const long KB = K / 32, stripes = N / 32;
     #pragma omp parallel num_threads(threads)
     {
         configure_tiles();
@@ -225,16 +252,7 @@ static void amx_linear(const void* x, const void* packed, void* out, long M, lon
         for (long s = s0; s < s1; ++s) {
             const uint16_t* b = ps + s * 2 * KB * 512;
             const uint16_t* next = s + 1 < s1 ? b + 2 * KB * 512 : nullptr;
-            const long passes = (blocks + 1) / 2;
-            for (long blk = 0; blk < blocks; blk += 2) {
-                uint16_t* o = os + blk * 16 * N + s * 32;
-                if (blk + 1 < blocks)
-                    amx_block<true>(rows_of(blk), rows_of(blk + 1), b, next, o, count_of(blk),
-                                    count_of(blk + 1), K, N, c, blk / 2, passes);
-                else
-                    amx_block<false>(rows_of(blk), nullptr, b, next, o, count_of(blk), 0, K, N,
-                                     c, blk / 2, passes);
-            }
+            amx_stripe(xb, 0, xb.blocks, b, next, (uint16_t*)out + s * 32, K, N, c);
         }
         _tile_release();
     }
@@ -395,11 +413,12 @@ int quant_rows(const long* runs, const void* packed, const int64_t* ids, long n,
 }
 #if defined(__AVX512BF16__)
 // GGUF weights against a batch of bfloat16 rows: each 32-column stripe dequantized once into
-// the bf16 tiles vector_block reads (in this thread's scratch, L2-sized), then multiplied with
-// AVX512-BF16 dot products like a dense bf16 weight. Every weight is the float32 the stripes
-// give, rounded to the nearest bf16 (the dense bf16 path's weight); the conversion costs about
-// one pass of the stripes kernel, so only batches of QUANT_TILES_MIN_ROWS rows or more pay
-// for it. Sums in one order, k ascending, for every row of such a batch.
+// the bf16 tiles a dense bf16 weight is packed in (in this thread's scratch, L2-sized), then
+// multiplied as that weight is: by AMX where the target has it, else by AVX512-BF16 dot
+// products (vector_block). Every weight is the float32 the stripes give, rounded to the
+// nearest bf16 (the dense bf16 path's weight); the conversion costs about one pass of the
+// stripes kernel, so only batches of QUANT_TILES_MIN_ROWS rows or more pay for it. Sums in one
+// order, k ascending, for every row of such a batch.
 static const long QUANT_TILES_MIN_ROWS = 8;
 
 // Lanes 2i and 2i + 1 of a tile row: column i's bf16 at the even k, then at the odd one.
@@ -410,6 +429,13 @@ alignas(64) static const uint16_t PAIR_LANES[32] = {0, 16, 1, 17, 2, 18, 3, 19, 
 static inline void store_pairs(uint16_t* p, const VF& even, const VF& odd) {
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd.v, even.v);  // low: even, high: odd
     _mm512_storeu_si512(p, _mm512_permutexvar_epi16(_mm512_load_si512(PAIR_LANES), both));
+}
+
+// This thread's room for one stripe's tiles.
+static inline uint16_t* scratch_tiles(long K) {
+    static thread_local std::vector<uint16_t> buffer;
+    if (long(buffer.size()) < 2 * K * 16) buffer.resize(2 * K * 16);
+    return buffer.data();
 }
 
 // One stripe -> tiles [2][K / 32][512] (the columns 0-15 and 16-31 of tiles_pack_bf16's).
@@ -429,16 +455,44 @@ static void stripe_to_tiles(const QuantStripe<F>& src, long K, uint16_t* tiles) 
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+static const long AMX_ROWS_IN_L2_BYTES = 1L << 20;  // x's rows a stripe's tiles meet, per conversion
+
+// quant_tiles_linear on AMX: the rows in chunks whose x stays in L2, each stripe converted once
+// per chunk and multiplied as amx_linear multiplies a dense bf16 weight's tiles.
+template <class F>
+static void quant_amx_linear(const uint16_t* x, const QuantStripes<F>& stripes, uint16_t* out,
+                             long M, long K, long N, long ldo, int threads) {
+    const RowBlocks xb(x, M, K);
+    const long chunk = std::max(2L, AMX_ROWS_IN_L2_BYTES / (16 * K * 2) / 2 * 2);  // blocks
+    #pragma omp parallel num_threads(threads)
+    {
+        configure_tiles();
+        alignas(64) float c[4][16][16];
+        uint16_t* tiles = scratch_tiles(K);
+        const auto [s0, s1] = thread_share(N / STRIPE);
+        for (long b0 = 0; b0 < xb.blocks; b0 += chunk)
+            for (long s = s0; s < s1; ++s) {
+                stripe_to_tiles(stripes.at(s), K, tiles);
+                amx_stripe(xb, b0, std::min(xb.blocks, b0 + chunk), tiles, nullptr,
+                           out + s * STRIPE, K, ldo, c);
+            }
+        _tile_release();
+    }
+}
+#endif
+
 template <class F>
 static void quant_tiles_linear(const uint16_t* x, const uint8_t* packed, uint16_t* out, long M,
                                long K, long N, long ldo, int threads) {
     const QuantStripes<F> stripes{packed, K};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (best_tile_unit() == 2) return quant_amx_linear(x, stripes, out, M, K, N, ldo, threads);
+#endif
     const long count = N / STRIPE, passes = (M + VECTOR_ROWS - 1) / VECTOR_ROWS;
     #pragma omp parallel num_threads(threads)
     {
-        static thread_local std::vector<uint16_t> buffer;
-        buffer.resize(2 * K * 16);
-        uint16_t* tiles = buffer.data();
+        uint16_t* tiles = scratch_tiles(K);
         const long t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (long s = count * t / nt; s < count * (t + 1) / nt; ++s) {
             stripe_to_tiles(stripes.at(s), K, tiles);
