@@ -456,7 +456,7 @@ static void stripe_to_tiles(const QuantStripe<F>& src, long K, uint16_t* tiles) 
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-static const long AMX_ROWS_IN_L2_BYTES = 1L << 20;  // x's rows a stripe's tiles meet, per conversion
+static const long AMX_ROWS_IN_L2_BYTES = 1L << 20;  // a chunk's rows of x (bf16 bytes)
 
 // quant_tiles_linear on AMX: the rows in chunks whose x stays in L2, each stripe converted once
 // per chunk and multiplied as amx_linear multiplies a dense bf16 weight's tiles.
