@@ -340,19 +340,21 @@ def test_float32_stripes_take_only_their_shapes() -> None:
         ops.linear(x.bfloat16(), weight, packed, None)
 
 
-def _layer_weights(ops: LayerOps, qkv_bias: bool = False) -> dict[str, Any]:
+def _layer_weights(
+    ops: LayerOps, qkv_bias: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
     """One SmolLM2-shaped layer's weights as the ops take them (packed by ``ops``); a bias only
     on q/k/v, as in Qwen2."""
 
     def projection(out_features: int, in_features: int, seed: int) -> Linear:
-        weight = _randn(out_features, in_features, dtype=torch.bfloat16, seed=seed) * 0.05
+        weight = _randn(out_features, in_features, dtype=dtype, seed=seed) * 0.05
         return Linear(weight, ops.pack(weight))
 
     qkv = projection(960, 576, 3)
     if qkv_bias:
-        qkv = qkv._replace(bias=_randn(960, dtype=torch.bfloat16, seed=9))
+        qkv = qkv._replace(bias=_randn(960, dtype=dtype, seed=9))
     return {
-        "norms": [_randn(576, dtype=torch.bfloat16, seed=s) * 0.3 + 1 for s in (1, 2)],
+        "norms": [_randn(576, dtype=dtype, seed=s) * 0.3 + 1 for s in (1, 2)],
         "qkv": qkv,
         "o_proj": projection(576, 576, 4),
         "gate_up": projection(3072, 576, 5),
@@ -377,8 +379,9 @@ def _run_halves(
     ops: LayerOps | _OneByOne, rows: int, first: bool, weights: dict[str, Any]
 ) -> list[torch.Tensor]:
     """Both halves of a layer over ``rows`` tokens through ``ops``: every tensor they return."""
-    x = None if first else _randn(rows, 576, dtype=torch.bfloat16, seed=7)
-    residual = _randn(rows, 576, dtype=torch.bfloat16, scale=3.0, seed=8)
+    dtype = weights["norms"][0].dtype
+    x = None if first else _randn(rows, 576, dtype=dtype, seed=7)
+    residual = _randn(rows, 576, dtype=dtype, scale=3.0, seed=8)
     angles = (torch.arange(rows) * 37 % 4096)[:, None] * 1e-2 * torch.arange(1, 33)  # [T, 32]
     cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
     norm_in, norm_post = weights["norms"]
@@ -393,16 +396,17 @@ def _run_halves(
 
 
 @needs_fused
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
 @pytest.mark.parametrize("rows", [1, 4, 5, 17, 64, 256])
 @pytest.mark.parametrize("first", [True, False], ids=["first layer", "later layer"])
 def test_layer_halves_in_one_call_are_the_ops_one_by_one(
-    rows: int, first: bool, monkeypatch: pytest.MonkeyPatch
+    rows: int, first: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode batch's layer halves in one C call each give exactly the bits of the same ops
-    called one by one (the tiles, or the stripes, for every matmul), the residual stream
-    updated in place the same way."""
+    called one by one (bf16: the tiles, or the stripes; float32: the stripes, for every
+    matmul), the residual stream updated in place the same way."""
     ops = _fused()
-    weights = _layer_weights(ops)
+    weights = _layer_weights(ops, dtype=dtype)
     expected = _run_halves(_OneByOne(ops), rows, first, weights)
 
     def one_by_one(*args: object) -> None:

@@ -32,12 +32,14 @@ PROMPTS = [
     "def fibonacci(n):",
 ]
 # (quantization, dtype, gguf_activations): the GGUF blocks exact in float32 and bf16, rounded
-# to int8, and the file dequantized to bf16 (the tiles or the bf16 stripes)
+# to int8, and the file dequantized to bf16 (the tiles or the bf16 stripes) and to float32
+# (the float32 stripes)
 CASES = [
     ("gguf", "float32", "dtype"),
     ("gguf", "bfloat16", "dtype"),
     ("gguf", "bfloat16", "int8"),
     ("none", "bfloat16", "dtype"),
+    ("none", "float32", "dtype"),
 ]
 
 

@@ -107,9 +107,11 @@ class DenseKernels:
                     return out  # else (a shape the C side declines): torch
         return layer_ops.linear(x, weight, None if ours else packed, bias)
 
-    def decode_layout(self, out_features: int, in_features: int) -> tuple[int, ...]:
-        """The packed bf16 shape the C layer halves multiply: tiles where the target has
-        them, else stripes."""
-        if self.tiles_max_rows:
+    def decode_layout(
+        self, out_features: int, in_features: int, dtype: torch.dtype
+    ) -> tuple[int, ...]:
+        """The packed shape the C layer halves multiply: bf16 in tiles where the target has
+        them, else (and float32 always) in stripes."""
+        if self.tiles_max_rows and dtype == torch.bfloat16:
             return (out_features // 16, in_features // 32, 16, 32)
         return (out_features // self.stripe, in_features, self.stripe)

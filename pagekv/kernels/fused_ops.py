@@ -13,7 +13,8 @@ A gated MLP's quantized gate/up weight is one pass that writes only SiLU(gate) *
 numbers as the matmul and ``silu_mul`` one after the other.
 
 A decode layer's two halves around attention (``attention_inputs``, ``mlp_block``) are one C
-call each on bf16 decode batches: the same kernels in the same order, so the same bits, without
+call each on decode batches whose matmuls are all packed here (dense float32 or bf16 weights,
+or GGUF blocks): the same kernels in the same order, so the same bits, without
 nine Python calls and their new tensors. A whole decode step's layers and the final norm are one
 call too (``prepare_stack``, ``run_stack``), the halves of every layer with the step's
 attention between them called from C (``NativeAttention``: the decode kernel's
@@ -70,12 +71,12 @@ class FusedOps(RowOps):
 
     def __init__(self, library: ctypes.CDLL) -> None:
         super().__init__(library)
-        self._attention_inputs = library.attention_inputs_bf16
-        self._mlp_block = library.mlp_block_bf16
+        self._attention_inputs = by_dtype(library, "attention_inputs_dense")
+        self._mlp_block = by_dtype(library, "mlp_block_dense")
         self._quant_attention_inputs = by_dtype(library, "attention_inputs_quant")
         self._quant_mlp_block = by_dtype(library, "mlp_block_quant")
         self._quant_stack = by_dtype(library, "decoder_stack_quant")
-        self._dense_stack = library.decoder_stack_bf16
+        self._dense_stack = by_dtype(library, "decoder_stack_dense")
         self.dense = DenseKernels(library)
         self.quant = QuantKernels(library, self.dense.stripe)
         self.int8_activations = False  # GGUF weights packed for int8 dot products
@@ -171,9 +172,9 @@ class FusedOps(RowOps):
         num_heads: int,
         num_kv_heads: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``layer_ops.attention_inputs`` in one C call for decode batches whose matmul is the
-        tiles or stripes of bf16 weights, or GGUF weights' quantized stripes (the same kernels,
-        so the same bits); op by op otherwise."""
+        """``layer_ops.attention_inputs`` in one C call for decode batches whose matmul is
+        float32 stripes, bf16 tiles or stripes, or GGUF weights' quantized stripes (the same
+        kernels, so the same bits); op by op otherwise."""
         rows, hidden = residual.shape
         half = cos.shape[-1]
         kind = self._one_call(residual, norm, rows, (qkv,))
@@ -201,7 +202,7 @@ class FusedOps(RowOps):
                 )
             else:
                 weights = (_packed(qkv.packed),)
-                status = self._attention_inputs(
+                status = self._attention_inputs[residual.dtype](
                     *inputs, eps, *weights, *tables, *outputs, *shape, self.dense.unit, threads()
                 )
             if status == 0:
@@ -220,9 +221,9 @@ class FusedOps(RowOps):
         gate_up: layer_ops.Linear,
         down: layer_ops.Linear,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer_ops.mlp_block`` in one C call for decode batches whose matmuls are all the
-        tiles or stripes of bf16 weights, or all GGUF weights' quantized stripes (the same
-        kernels, so the same bits); op by op otherwise."""
+        """``layer_ops.mlp_block`` in one C call for decode batches whose matmuls are all
+        float32 stripes, all bf16 tiles or stripes, or all GGUF weights' quantized stripes (the
+        same kernels, so the same bits); op by op otherwise."""
         rows, hidden = residual.shape
         inter = down.weight.shape[1]
         kind = self._one_call(residual, norm, rows, (o_proj, gate_up, down))
@@ -250,7 +251,7 @@ class FusedOps(RowOps):
                     threads(),
                 )
             else:
-                status = self._mlp_block(
+                status = self._mlp_block[residual.dtype](
                     *head,
                     _packed(o_proj.packed),
                     norm.data_ptr(),
@@ -269,8 +270,9 @@ class FusedOps(RowOps):
         self, layers: Sequence[layer_ops.StackLayer], final_norm: torch.Tensor
     ) -> Stack | None:
         """The layers for ``decoder_stack_*`` (layer_stack.py), where every matmul is one the
-        layer halves' one C call takes (all quantized stripes, or all bf16 tiles or stripes),
-        no bias, and every layer has the first one's shapes; None otherwise."""
+        layer halves' one C call takes (all quantized stripes, all float32 stripes, or all
+        bf16 tiles or stripes), no bias, and every layer has the first one's shapes; None
+        otherwise."""
         linears = [lin for layer in layers for lin in layer.matmuls]
         dtype = final_norm.dtype
         if dtype in SUFFIXES and all(
@@ -282,9 +284,9 @@ class FusedOps(RowOps):
             matmuls = [_quant(lin.packed) for lin in linears]
             function, rows, unit = self._quant_stack[dtype], ONE_CALL_MAX_ROWS, None
         elif self._fits_dense(final_norm, tuple(linears)):
-            matmuls = [(_packed(lin.packed) or 0, self.dense.unit) for lin in linears]
-            function, unit = self._dense_stack, self.dense.unit
-            rows = self.dense.tiles_max_rows or ONE_CALL_MAX_ROWS
+            unit = self.dense.unit if dtype == torch.bfloat16 else None  # float32: no tiles
+            matmuls = [(_packed(lin.packed) or 0, unit or 0) for lin in linears]
+            function, rows = self._dense_stack[dtype], self._dense_rows(dtype)
         else:
             return None
         return Stack.build(function, layers, matmuls, final_norm, rows, unit)
@@ -319,19 +321,29 @@ class FusedOps(RowOps):
         ):
             quant_ok = rows <= ONE_CALL_MAX_ROWS and residual.dtype in SUFFIXES
             return "quant" if quant_ok else None
-        dense_ok = rows <= (self.dense.tiles_max_rows or ONE_CALL_MAX_ROWS)
+        dense_ok = rows <= self._dense_rows(residual.dtype)
         return "dense" if dense_ok and self._fits_dense(residual, linears) else None
 
+    def _dense_rows(self, dtype: torch.dtype) -> int:
+        """The most rows one C call takes with dense weights: the tiles' limit for bf16 where
+        the target has tiles; else (stripes) the one-call limit."""
+        if dtype == torch.bfloat16 and self.dense.tiles_max_rows:
+            return self.dense.tiles_max_rows
+        return ONE_CALL_MAX_ROWS
+
     def _fits_dense(self, residual: torch.Tensor, linears: tuple[layer_ops.Linear, ...]) -> bool:
-        if residual.dtype != torch.bfloat16:
+        """Whether every matmul is a dense weight of the residual's dtype (float32 or bf16),
+        without bias, packed as the C halves multiply it (``DenseKernels.decode_layout``)."""
+        dtype = residual.dtype
+        if dtype not in SUFFIXES:
             return False
         for weight, packed, bias in linears:
-            out_features, in_features = weight.shape
             if not isinstance(weight, torch.Tensor) or not isinstance(packed, torch.Tensor):
                 return False
-            if bias is not None or weight.dtype != torch.bfloat16:
+            if bias is not None or weight.dtype != dtype:
                 return False
-            if packed.shape != self.dense.decode_layout(out_features, in_features):
+            out_features, in_features = weight.shape
+            if packed.shape != self.dense.decode_layout(out_features, in_features, dtype):
                 return False
         return True
 

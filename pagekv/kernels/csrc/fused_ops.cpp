@@ -581,8 +581,13 @@ static T* scratch(long elements) {
     return buffer.data();
 }
 
-// A bf16 weight packed for decode steps (tiles, or stripes without them).
-struct DenseDecodeMatmul {
+// A dense weight packed for decode steps, of the activations' type T: bf16 in tiles where the
+// target has them, else in stripes; float32 in stripes. `unit`: what multiplies the tiles.
+template <typename T>
+struct DenseDecodeMatmul;
+
+template <>
+struct DenseDecodeMatmul<uint16_t> {
     const void* packed;
     int unit;
 #if defined(__AVX512BF16__)
@@ -600,6 +605,17 @@ struct DenseDecodeMatmul {
     }
 #endif
     int gated(const uint16_t*, uint16_t*, long, long, long, int) const { return -1; }
+};
+
+template <>
+struct DenseDecodeMatmul<float> {
+    const void* packed;
+    int unit;  // no tiles for float32
+    bool fits(long M, long K, long N) const { return M >= 1 && K >= 1 && N % STRIPE == 0; }
+    void operator()(const float* x, float* out, long M, long K, long N, int threads) const {
+        stripes_linear_f32(x, packed, out, M, K, N, threads);
+    }
+    int gated(const float*, float*, long, long, long, int) const { return -1; }
 };
 
 // A GGUF weight in quantized stripes, in runs (RUN_LONGS above).
@@ -688,27 +704,26 @@ static int mlp_block(const T* attn, T* residual, const MM& o_mm, const T* norm, 
     return 0;
 }
 
-extern "C" int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
-                                     const void* t_qkv, const float* cos,
-                                     const float* sin, void* q, void* k, void* v, long M,
-                                     long hidden, int heads, int kv_heads, int head_dim,
-                                     int unit, int threads) {
-    using T = uint16_t;
-    return attention_inputs((const T*)x, (T*)residual, (const T*)norm, eps,
-                            DenseDecodeMatmul{t_qkv, unit}, cos, sin, (T*)q, (T*)k, (T*)v, M,
-                            hidden, heads, kv_heads, head_dim, threads);
-}
-
-extern "C" int mlp_block_bf16(const void* attn, void* residual, const void* t_o,
-                              const void* norm, float eps, const void* t_gate_up,
-                              const void* t_down, void* out, long M, long hidden, long q_size,
-                              long inter, int unit, int threads) {
-    using T = uint16_t;
-    return mlp_block((const T*)attn, (T*)residual, DenseDecodeMatmul{t_o, unit},
-                     (const T*)norm, eps, DenseDecodeMatmul{t_gate_up, unit},
-                     DenseDecodeMatmul{t_down, unit}, (T*)out, M, hidden, q_size, inter,
-                     threads);
-}
+#define DENSE_HALVES(SUFFIX, T)                                                               \
+    extern "C" int attention_inputs_dense_##SUFFIX(                                           \
+        const void* x, void* residual, const void* norm, float eps, const void* qkv,         \
+        const float* cos, const float* sin, void* q, void* k, void* v, long M, long hidden,  \
+        int heads, int kv_heads, int head_dim, int unit, int threads) {                      \
+        return attention_inputs((const T*)x, (T*)residual, (const T*)norm, eps,              \
+                                DenseDecodeMatmul<T>{qkv, unit}, cos, sin, (T*)q, (T*)k,     \
+                                (T*)v, M, hidden, heads, kv_heads, head_dim, threads);       \
+    }                                                                                         \
+    extern "C" int mlp_block_dense_##SUFFIX(                                                  \
+        const void* attn, void* residual, const void* o, const void* norm, float eps,        \
+        const void* gate_up, const void* down, void* out, long M, long hidden, long q_size,  \
+        long inter, int unit, int threads) {                                                 \
+        return mlp_block((const T*)attn, (T*)residual, DenseDecodeMatmul<T>{o, unit},        \
+                         (const T*)norm, eps, DenseDecodeMatmul<T>{gate_up, unit},           \
+                         DenseDecodeMatmul<T>{down, unit}, (T*)out, M, hidden, q_size,       \
+                         inter, threads);                                                    \
+    }
+DENSE_HALVES(f32, float)
+DENSE_HALVES(bf16, uint16_t)
 
 #define GATED_ENTRY(SUFFIX, T)                                                                \
     extern "C" int quant_gated_##SUFFIX(const long* runs, const void* packed, const void* x,   \
@@ -748,7 +763,7 @@ QUANT_HALVES(bf16, uint16_t)
 // step_attention), mlp_block, as LlamaForCausalLM.forward calls them one by one (so the same
 // bits), then the final add_rms_norm into out. `table` is [layers][STACK_LONGS]: input norm,
 // qkv, post-attention norm, o, gate_up, down, each matmul two longs (quantized: its runs and
-// stripes; bf16: its tiles or stripes and the tile unit). `residual` holds the embeddings and
+// stripes; dense: its tiles or stripes and the tile unit). `residual` holds the embeddings and
 // becomes the residual stream. -1 (nothing written) where a layer's matmul does not take this
 // shape; 1 where the attention failed (layers before it ran).
 static const long STACK_LONGS = 10;
@@ -757,7 +772,8 @@ using StackAttention = int (*)(const void*, int, const void*, const void*, const
 static QuantDecodeMatmul stack_matmul(const long* at, QuantDecodeMatmul*) {
     return {(const long*)at[0], (const uint8_t*)at[1]};
 }
-static DenseDecodeMatmul stack_matmul(const long* at, DenseDecodeMatmul*) {
+template <typename T>
+static DenseDecodeMatmul<T> stack_matmul(const long* at, DenseDecodeMatmul<T>*) {
     return {(const void*)at[0], int(at[1])};
 }
 
@@ -805,4 +821,5 @@ static int decoder_stack(const long* table, int layers, T* residual, const T* fi
     }
 STACK_ENTRY(decoder_stack_quant_f32, float, QuantDecodeMatmul)
 STACK_ENTRY(decoder_stack_quant_bf16, uint16_t, QuantDecodeMatmul)
-STACK_ENTRY(decoder_stack_bf16, uint16_t, DenseDecodeMatmul)
+STACK_ENTRY(decoder_stack_dense_f32, float, DenseDecodeMatmul<float>)
+STACK_ENTRY(decoder_stack_dense_bf16, uint16_t, DenseDecodeMatmul<uint16_t>)

@@ -126,14 +126,23 @@ int quant_gated_f32(const long* runs, const void* packed, const void* x, void* o
                     long K, long I, int threads);
 int quant_gated_bf16(const long* runs, const void* packed, const void* x, void* out, long M,
                      long K, long I, int threads);
-// A decode layer's two halves around attention, bfloat16, in one call each (-1: declined).
-int attention_inputs_bf16(const void* x, void* residual, const void* norm, float eps,
-                          const void* t_qkv, const float* cos, const float* sin, void* q,
-                          void* k, void* v, long M, long hidden, int heads, int kv_heads,
-                          int head_dim, int unit, int threads);
-int mlp_block_bf16(const void* attn, void* residual, const void* t_o, const void* norm,
-                   float eps, const void* t_gate_up, const void* t_down, void* out, long M,
-                   long hidden, long q_size, long inter, int unit, int threads);
+// A decode layer's two halves around attention in one call each (-1: declined), dense weights
+// of the activations' type: float32 in stripes, bfloat16 in tiles or stripes (`unit`: what
+// multiplies the tiles).
+int attention_inputs_dense_f32(const void* x, void* residual, const void* norm, float eps,
+                               const void* qkv, const float* cos, const float* sin, void* q,
+                               void* k, void* v, long M, long hidden, int heads, int kv_heads,
+                               int head_dim, int unit, int threads);
+int attention_inputs_dense_bf16(const void* x, void* residual, const void* norm, float eps,
+                                const void* qkv, const float* cos, const float* sin, void* q,
+                                void* k, void* v, long M, long hidden, int heads, int kv_heads,
+                                int head_dim, int unit, int threads);
+int mlp_block_dense_f32(const void* attn, void* residual, const void* o, const void* norm,
+                        float eps, const void* gate_up, const void* down, void* out, long M,
+                        long hidden, long q_size, long inter, int unit, int threads);
+int mlp_block_dense_bf16(const void* attn, void* residual, const void* o, const void* norm,
+                         float eps, const void* gate_up, const void* down, void* out, long M,
+                         long hidden, long q_size, long inter, int unit, int threads);
 // The same halves with GGUF weights in quantized stripes, float32 or bfloat16 activations:
 // each matmul its runs ([count, then 9 longs a run], see fused_ops.cpp) and its stripes.
 int attention_inputs_quant_f32(const void* x, void* residual, const void* norm, float eps,
@@ -167,10 +176,16 @@ int decoder_stack_quant_bf16(const long* table, int layers, void* residual,
                              const float* sin, void* out, long M, long hidden, int heads,
                              int kv_heads, int head_dim, long inter, const void* attention,
                              const void* context, int threads);
-int decoder_stack_bf16(const long* table, int layers, void* residual, const void* final_norm,
-                       float eps, const float* cos, const float* sin, void* out, long M,
-                       long hidden, int heads, int kv_heads, int head_dim, long inter,
-                       const void* attention, const void* context, int threads);
+int decoder_stack_dense_f32(const long* table, int layers, void* residual,
+                            const void* final_norm, float eps, const float* cos,
+                            const float* sin, void* out, long M, long hidden, int heads,
+                            int kv_heads, int head_dim, long inter, const void* attention,
+                            const void* context, int threads);
+int decoder_stack_dense_bf16(const long* table, int layers, void* residual,
+                             const void* final_norm, float eps, const float* cos,
+                             const float* sin, void* out, long M, long hidden, int heads,
+                             int kv_heads, int head_dim, long inter, const void* attention,
+                             const void* context, int threads);
 
 // roofline.cpp: this machine's peaks (-1 where the target lacks the instructions).
 int f32_lanes(void);
