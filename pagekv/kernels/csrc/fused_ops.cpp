@@ -581,16 +581,24 @@ static T* scratch(long elements) {
     return buffer.data();
 }
 
-// A dense weight packed for decode steps, of the activations' type T: bf16 in tiles where the
-// target has them, else in stripes; float32 in stripes. `unit`: what multiplies the tiles.
+// A dense weight packed for decode steps, of the activations' type T (float32 or bf16): in
+// stripes, or for bf16 on a target with tiles, in tiles (`unit`: what multiplies them).
 template <typename T>
-struct DenseDecodeMatmul;
+struct DenseDecodeMatmul {
+    const void* packed;
+    int unit;  // stripes have none
+    bool fits(long M, long K, long N) const { return M >= 1 && K >= 1 && N % STRIPE == 0; }
+    void operator()(const T* x, T* out, long M, long K, long N, int threads) const {
+        stripes_matmul(x, DenseStripes<T>{(const T*)packed, K}, out, M, K, N, N, threads);
+    }
+    int gated(const T*, T*, long, long, long, int) const { return -1; }
+};
 
+#if defined(__AVX512BF16__)
 template <>
 struct DenseDecodeMatmul<uint16_t> {
     const void* packed;
     int unit;
-#if defined(__AVX512BF16__)
     bool fits(long M, long K, long N) const {
         return M >= 1 && M <= TILED_MAX_ROWS && K % 32 == 0 && N % 32 == 0 && unit >= 1 &&
                unit <= best_tile_unit();
@@ -598,25 +606,9 @@ struct DenseDecodeMatmul<uint16_t> {
     void operator()(const uint16_t* x, uint16_t* out, long M, long K, long N, int threads) const {
         tiles_linear_bf16(x, packed, out, M, K, N, unit, threads);
     }
-#else
-    bool fits(long M, long K, long N) const { return M >= 1 && K >= 1 && N % STRIPE == 0; }
-    void operator()(const uint16_t* x, uint16_t* out, long M, long K, long N, int threads) const {
-        stripes_linear_bf16(x, packed, out, M, K, N, threads);
-    }
-#endif
     int gated(const uint16_t*, uint16_t*, long, long, long, int) const { return -1; }
 };
-
-template <>
-struct DenseDecodeMatmul<float> {
-    const void* packed;
-    int unit;  // no tiles for float32
-    bool fits(long M, long K, long N) const { return M >= 1 && K >= 1 && N % STRIPE == 0; }
-    void operator()(const float* x, float* out, long M, long K, long N, int threads) const {
-        stripes_linear_f32(x, packed, out, M, K, N, threads);
-    }
-    int gated(const float*, float*, long, long, long, int) const { return -1; }
-};
+#endif
 
 // A GGUF weight in quantized stripes, in runs (RUN_LONGS above).
 struct QuantDecodeMatmul {
