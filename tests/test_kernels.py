@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import platform
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,11 +23,70 @@ needs_compiler = pytest.mark.skipif(build.find_compiler() is None, reason="no C+
 def test_every_cpu_runs_generic_and_targets_need_what_they_say() -> None:
     assert isa.runnable()[0] == "generic"
     assert isa.best() == isa.runnable()[-1]
-    assert isa.BY_NAME["avx2"].missing(frozenset({"avx2", "fma"})) == ("f16c", "bmi2")
+    lacking = isa.BY_NAME["avx2"].missing(frozenset({"avx2", "fma", "bmi2"}))
+    assert "f16c" in lacking and "movbe" in lacking and not {"avx2", "fma", "bmi2"} & set(lacking)
     assert isa.BY_NAME["generic"].missing(frozenset()) == ()
     features = isa.cpu_features()
     for target in isa.TARGETS:
         assert (target.name in isa.runnable()) == (not target.missing(features))
+
+
+# The compiler's macro for each instruction set a target's flags let it use, and that set's
+# name in /proc/cpuinfo.
+ISA_MACROS = {
+    "__SSE3__": "pni",
+    "__SSSE3__": "ssse3",
+    "__SSE4_1__": "sse4_1",
+    "__SSE4_2__": "sse4_2",
+    "__CRC32__": "sse4_2",
+    "__POPCNT__": "popcnt",
+    "__GCC_HAVE_SYNC_COMPARE_AND_SWAP_16": "cx16",
+    "__LAHF_SAHF__": "lahf_lm",
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__BMI__": "bmi1",
+    "__BMI2__": "bmi2",
+    "__F16C__": "f16c",
+    "__FMA__": "fma",
+    "__LZCNT__": "abm",
+    "__MOVBE__": "movbe",
+    "__XSAVE__": "xsave",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512VBMI__": "avx512vbmi",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_BF16__": "amx_bf16",
+}
+
+
+def _macros(compiler: str, flags: tuple[str, ...]) -> set[str]:
+    command = [compiler, *flags, "-dM", "-E", "-x", "c++", os.devnull]
+    lines = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+    return {line.split()[1] for line in lines if line.startswith("#define ")}
+
+
+@needs_compiler
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"), reason="the x86-64 targets' flags"
+)
+def test_a_target_runs_only_where_the_cpu_has_every_set_its_flags_enable() -> None:
+    """A CPU that lacks one of them must not get the target: the compiler may use any."""
+    compiler = build.find_compiler()
+    assert compiler is not None
+    baseline = _macros(compiler, ())
+    for target in isa.TARGETS:
+        if not target.x86_only:
+            continue
+        enabled = _macros(compiler, target.flags) - baseline
+        sets = {ISA_MACROS[m] for m in enabled if m in ISA_MACROS}
+        assert sets, f"{target.name}: its flags enable no instruction set this test knows"
+        unchecked = sets - set(target.needs)
+        assert not unchecked, f"{target.name}'s flags enable {unchecked}, which it does not check"
 
 
 def test_the_selection_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,7 +107,8 @@ def test_the_selection_follows_the_environment(monkeypatch: pytest.MonkeyPatch) 
 def test_a_target_this_cpu_lacks_is_refused_with_what_it_lacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(isa, "cpu_features", lambda: frozenset({"avx2", "fma", "f16c", "bmi2"}))
+    avx2_cpu = frozenset(isa.BY_NAME["avx2"].needs)
+    monkeypatch.setattr(isa, "cpu_features", lambda: avx2_cpu)
     monkeypatch.setenv(isa.ISA_ENV, "avx512bf16")
     with pytest.raises(isa.KernelTargetError, match=r"lacks avx512f.*it can run generic, avx2"):
         isa.selected()

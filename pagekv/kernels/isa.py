@@ -36,7 +36,11 @@ class Target:
         return tuple(f for f in self.needs if f not in features)
 
 
-_AVX2 = ("avx2", "fma", "f16c", "bmi2")
+# All that -march=x86-64-v3 lets the compiler use, as Linux names it: x86-64-v2 (SSE3 is "pni",
+# LAHF/SAHF "lahf_lm"), then AVX, AVX2, BMI1/2, F16C, FMA, LZCNT ("abm"), MOVBE and XSAVE. Every
+# AVX2 CPU has them all, but a hypervisor may hide one.
+_X86_64_V2 = ("pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16", "lahf_lm")
+_AVX2 = (*_X86_64_V2, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
 # Instruction set from the target, scheduling tuned for the CPU that builds (kernels are built on
 # the machine that runs them): the same tuning -march=native gave.
 _TUNE = ("-mtune=native",) if platform.machine().lower() in ("x86_64", "amd64") else ()
