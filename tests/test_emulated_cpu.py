@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import platform
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -72,21 +71,13 @@ def qemu() -> str:
     return require_binary("qemu-user", "qemu-x86_64")
 
 
-def _no_core_files() -> None:  # an illegal instruction kills the emulator; no core file
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def emulated(qemu: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """This Python with ``args`` on the emulated CPU, from the repository root."""
+    """This Python with ``args`` on the emulated CPU, from the repository root. An illegal
+    instruction kills the emulator: the shell before it allows no core file."""
     env = {**os.environ, "QEMU_CPU": EMULATED_CPU, AS_CPU_ENV: "avx2"}
+    command = ["sh", "-c", 'ulimit -c 0 && exec "$@"', "sh", qemu, sys.executable, *args]
     return subprocess.run(
-        [qemu, sys.executable, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=_no_core_files,
+        command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
     )
 
 
