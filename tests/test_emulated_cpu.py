@@ -27,6 +27,8 @@ import pytest
 from kernel_targets import AS_CPU_ENV
 from system_packages import require_binary
 
+from pagekv.kernels import isa
+
 ROOT = Path(__file__).resolve().parents[1]
 EMULATED_CPU = "EPYC-Milan"
 # One or a few cases of each kernel of the avx2 target, small shapes: decode and prefill
@@ -68,6 +70,10 @@ KERNEL_TESTS = {
 def qemu() -> str:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("the emulator runs this Python only where it is an x86-64 program")
+    # the emulator passes this CPU's /proc/cpuinfo through, and the target choice reads it
+    lacking = isa.BY_NAME["avx2"].missing(isa.cpu_features())
+    if lacking:
+        pytest.skip(f"the emulated CPU shows this CPU's flags, which lack {', '.join(lacking)}")
     return require_binary("qemu-user", "qemu-x86_64")
 
 
