@@ -29,8 +29,9 @@ template <> inline uint16_t store<uint16_t>(float f) {  // round to nearest even
 template <typename T> static inline float round_to(float f) { return load(store<T>(f)); }
 
 // exp(x) for any x: Cephes' expf polynomial (rel. error ~2e-7), inf above 88.72, ~0 below -87.
-// No std::floor and no memcpy: GCC vectorizes neither.
-static inline float exp_any(float x) {
+// No std::floor and no memcpy: GCC vectorizes neither. Always inlined: a call inside a loop
+// keeps the loop scalar, and GCC's own choice leaves it a call on some targets.
+__attribute__((always_inline)) static inline float exp_any(float x) {
     const float big = x > 88.72f ? INFINITY : 1.f;
     x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
     const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2): 1.5 * 2^23

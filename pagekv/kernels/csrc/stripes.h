@@ -61,6 +61,12 @@ static void stripes_pack(const WT* ws, WT* ps, long N, long K) {
                 ps[(s * K + k) * STRIPE + c] = ws[(s * STRIPE + c) * K + k];
 }
 
+// How far ahead of itself a single pass over stripes (a few rows, bound by how fast memory
+// streams to the core) requests each stripe's bytes into L2. Each call's streams start cold,
+// and the hardware prefetcher, which restarts at every 4 KiB boundary, keeps too few lines in
+// flight to fill the core's share of the memory bandwidth by itself.
+static const long STREAM_AHEAD_BYTES = 3072;
+
 // Passes of at most this many rows take NS = 2 neighbouring stripes at once: twice the
 // independent sums, so that a few rows' chains of FMAs do not wait on each other's latency.
 static const int PAIR_ROWS = VF::REGS >= 32 ? 4 : 2;
@@ -128,9 +134,10 @@ struct Widening {
     Group group(long k0) const { return {src.group(k0), wide + k0 * STRIPE}; }
 };
 
-// A source whose reader requests another stripe (`next`, null for none) into L2 as it goes,
-// `slice` bytes per group of k's: requested all at once, a stripe's lines would fill the
-// core's miss buffers and stall the pass until they arrive.
+// A source whose reader requests other bytes (from `next`, null for none) into L2 as it goes,
+// `slice` bytes per group of k's: another stripe, or the source's own bytes further on
+// (`ahead`). Requested all at once, a stripe's lines would fill the core's miss buffers and
+// stall the pass until they arrive.
 template <class Src>
 struct Fetching {
     static constexpr int GROUP = Src::GROUP;
@@ -142,6 +149,15 @@ struct Fetching {
         return src.group(k0);
     }
 };
+
+// `src` (of a Stripes' stripes, K deep) requesting its own bytes STREAM_AHEAD_BYTES ahead of
+// its reads: past its end, those of the stripe after it in memory.
+template <class Stripes>
+static Fetching<typename Stripes::Source> ahead(const Stripes& stripes, long s, long K) {
+    const auto src = stripes.at(s);
+    const long slice = stripes.stripe_bytes() * Stripes::Source::GROUP / K;
+    return {src, (const char*)src.p + STREAM_AHEAD_BYTES, slice};
+}
 
 // Rows [0, block) of x (row stride K) against one stripe into out (row stride ldo), in passes
 // of rows split evenly; `next`: the stripe this thread reads after it (null for none), requested
@@ -194,7 +210,7 @@ static int stripes_matmul(const XT* x, const Stripes& stripes, XT* out, long M, 
             XT* ob = out + first * ldo;
             for (long s = s0; s < s1; ++s) {
                 if (block <= PAIR_ROWS && s + 1 < s1) {  // one pass of a few rows
-                    const Src pair[2] = {stripes.at(s), stripes.at(s + 1)};
+                    const Fetching<Src> pair[2] = {ahead(stripes, s, K), ahead(stripes, s + 1, K)};
                     stripe_rows<PAIR_ROWS, 2>(xb, block, pair, ob + s * STRIPE, K, ldo);
                     ++s;
                     continue;
@@ -230,7 +246,7 @@ static int stripes_gated(const XT* x, const Stripes& gate, const Stripes& up, XT
             const float* xb = xs + first * K;
             for (long s = s0; s < s1; ++s) {
                 if (block <= PAIR_ROWS) {  // one pass of a few rows over both
-                    const Src pair[2] = {gate.at(s), up.at(s)};
+                    const Fetching<Src> pair[2] = {ahead(gate, s, K), ahead(up, s, K)};
                     stripe_rows<PAIR_ROWS, 2>(xb, block, pair, both, K, WIDTH);
                 } else {
                     const char* next = s + 1 < s1 ? (const char*)gate.at(s + 1).p : nullptr;
