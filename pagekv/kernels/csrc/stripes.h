@@ -134,18 +134,19 @@ struct Widening {
     Group group(long k0) const { return {src.group(k0), wide + k0 * STRIPE}; }
 };
 
-// A source whose reader requests other bytes (from `next`, null for none) into L2 as it goes,
-// `slice` bytes per group of k's: another stripe, or the source's own bytes further on
+// A source whose reader requests other bytes (from address `next`, 0 for none) into L2 as it
+// goes, `slice` bytes per group of k's: another stripe, or the source's own bytes further on
 // (`ahead`). Requested all at once, a stripe's lines would fill the core's miss buffers and
-// stall the pass until they arrive.
+// stall the pass until they arrive. An address, not a pointer: `ahead` requests bytes past the
+// end of a weight's last stripe (a prefetch never faults; a pointer there would be invalid).
 template <class Src>
 struct Fetching {
     static constexpr int GROUP = Src::GROUP;
     Src src;
-    const char* next;
+    uintptr_t next;
     long slice;
     auto group(long k0) const {
-        if (next != nullptr) prefetch_l2(next + k0 / GROUP * slice, slice);
+        if (next != 0) prefetch_l2((const void*)(next + k0 / GROUP * slice), slice);
         return src.group(k0);
     }
 };
@@ -156,7 +157,7 @@ template <class Stripes>
 static Fetching<typename Stripes::Source> ahead(const Stripes& stripes, long s, long K) {
     const auto src = stripes.at(s);
     const long slice = stripes.stripe_bytes() * Stripes::Source::GROUP / K;
-    return {src, (const char*)src.p + STREAM_AHEAD_BYTES, slice};
+    return {src, uintptr_t(src.p) + STREAM_AHEAD_BYTES, slice};
 }
 
 // Rows [0, block) of x (row stride K) against one stripe into out (row stride ldo), in passes
@@ -180,11 +181,11 @@ static void stripe_passes(const float* x, const Src& src, long stripe_bytes, con
             static thread_local std::vector<float> wide;
             if (long(wide.size()) < K * STRIPE) wide.resize(K * STRIPE);
             const Widening<Src> widening{src, wide.data()};
-            return run(Fetching<Widening<Src>>{widening, next, slice},
+            return run(Fetching<Widening<Src>>{widening, uintptr_t(next), slice},
                        DenseStripe<float>{wide.data()});
         }
     }
-    run(Fetching<Src>{src, next, slice}, src);
+    run(Fetching<Src>{src, uintptr_t(next), slice}, src);
 }
 
 // This thread's share [s0, s1) of `count` stripes or pairs of them.
