@@ -78,9 +78,12 @@ def qemu() -> str:
 
 
 def emulated(qemu: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """This Python with ``args`` on the emulated CPU, from the repository root. An illegal
-    instruction kills the emulator: the shell before it allows no core file."""
-    env = {**os.environ, "QEMU_CPU": EMULATED_CPU, AS_CPU_ENV: "avx2"}
+    """This Python with ``args`` on the emulated CPU, from the repository root, choosing its
+    kernel target as that CPU would, whatever target the suite forces (``PAGEKV_CPU_ISA=none``
+    included). An illegal instruction kills the emulator: the shell before it allows no core
+    file."""
+    env = {name: value for name, value in os.environ.items() if name != isa.ISA_ENV}
+    env.update({"QEMU_CPU": EMULATED_CPU, AS_CPU_ENV: "avx2"})
     command = ["sh", "-c", 'ulimit -c 0 && exec "$@"', "sh", qemu, sys.executable, *args]
     return subprocess.run(
         command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
