@@ -5,13 +5,23 @@
 #include "attention_common.h"
 #include "kernels.h"
 #include <omp.h>
+#include <unistd.h>
 #include <algorithm>
 #include <memory>
 #include <vector>
 
 struct Shape { int num_heads, kv_heads, group, block_size; long token_stride; };
 
-static const long VALUES_IN_L2_BYTES = 1L << 20;  // about half of a core's L2 on current Xeons
+// How many bytes of a sequence's values its score pass may request into L2 for the value pass:
+// half of a core's L2 as the CPU reports it (the other half holds the keys streaming by, the
+// scores and the queries), 1 MiB where it does not say.
+static long values_in_l2_bytes() {
+    static const long bytes = [] {
+        const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        return l2 > 0 ? l2 / 2 : 1L << 20;
+    }();
+    return bytes;
+}
 
 // Row primitives over D elements: dot(q, k) and acc += p * v. Written with AVX-512 intrinsics
 // where available (the K/V row is converted to float32 in registers once, and the compiler's
@@ -373,7 +383,7 @@ struct Sequence {
     // whether the values of n positions fit in L2 beside the rest: longer histories would push
     // out their own first rows, and then the prefetch costs more than it saves
     bool values_fit_l2(int n) const {
-        return long(n) * sh.kv_heads * D * long(sizeof(KV)) <= VALUES_IN_L2_BYTES;
+        return long(n) * sh.kv_heads * D * long(sizeof(KV)) <= values_in_l2_bytes();
     }
 
     void walk(const int32_t* table) const {
