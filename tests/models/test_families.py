@@ -1,0 +1,217 @@
+"""Model families beyond Llama: Qwen3 (per-head q/k norms, head_dim of its own) and Phi-3 (fused
+qkv and gate_up checkpoint tensors); sliding windows are test_sliding_window's.
+
+Tiny random models built from each family's transformers config, saved as HF directories (and
+GGUF files) at test time; pagekv's greedy tokens through the paged KV cache equal transformers'
+float32 ones on the same weights: block sizes 1 and 16, with and without prefix hits and
+preemption, on every kernel target this CPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models as tokenizer_models
+
+from pagekv import SamplingParams
+from pagekv.core.invariants import check_no_leak
+from pagekv.errors import ModelLoadError
+from pagekv.models import LoadedModel, load_model
+from pagekv.models.hf_loader import hf_config
+from pagekv.models.registry import architecture
+from tests.engine.test_engine_golden import (
+    Reference,
+    _greedy_reference,
+    assert_matches_reference,
+    make_llm,
+)
+from tests.models.test_model_registry import _write_gguf
+from tests.models_fixtures import full_logits
+
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 12
+TINY = {
+    "vocab_size": 259,  # test_model_registry's GGUF tokenizer
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 2.0**-16,  # exact in the float32 of GGUF metadata
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+FAMILIES = {
+    # head_dim not hidden / heads, as in real Qwen3 checkpoints
+    "qwen3": ("Qwen3Config", {"head_dim": 24}),
+    "phi3": ("Phi3Config", {}),
+}
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+@dataclass
+class Family:
+    directory: Path  # the HF directory
+    gguf: Path
+    prompts: list[list[int]]  # two sharing a long prefix
+    references: list[Reference]
+
+
+def _reference_model(config_class: str, **extra: Any) -> Any:
+    """transformers' model of a tiny config, its weights spread so that greedy tokens are
+    decisive and the norms (q/k norms included) are not all ones."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_class)(**{**TINY, **extra})
+    ).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.3) if "norm" in name else param.normal_(0.0, 0.15)
+    return model
+
+
+def _save(model: Any, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(TINY["vocab_size"])}
+    BackendTokenizer(tokenizer_models.WordLevel(vocab, unk_token="t0")).save(
+        str(directory / "tokenizer.json")
+    )
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
+    name = request.param
+    config_class, extra = FAMILIES[name]
+    reference = _reference_model(config_class, **extra)
+    directory = _save(reference, tmp_path_factory.mktemp(name))
+    loaded = load_model(str(directory))
+    assert loaded.config.model_type == name
+    names = architecture(name, "test").gguf
+    assert names is not None
+    gguf = _write_gguf(tmp_path_factory.mktemp(name) / f"{name}.gguf", loaded.model, name, names)
+    generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, TINY["vocab_size"], (40,), generator=generator).tolist()
+    prompts = [
+        [*shared, 7, 8, 9],
+        [*shared, 10, 11],
+        torch.randint(3, TINY["vocab_size"], (23,), generator=generator).tolist(),
+        [5],
+    ]
+    references = [_greedy_reference(reference, ids, NEW_TOKENS) for ids in prompts]
+    return Family(directory, gguf, prompts, references)
+
+
+def _assert_greedy_matches(
+    loaded: LoadedModel, family: Family, repeat: int = 1, **engine: object
+) -> dict[str, Any]:
+    llm = make_llm(loaded, **engine)
+    prompts, references = family.prompts * repeat, family.references * repeat
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], GREEDY, use_tqdm=False)
+    for out, ref in zip(outs, references, strict=True):
+        completion = out.outputs[0]
+        assert completion.logprobs is not None
+        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        assert_matches_reference(completion.token_ids, ref, ours_lp)
+    check_no_leak(llm.engine.kv)
+    return llm.engine.stats()
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_equals_transformers(family: Family, block_size: int, prefix_caching: bool) -> None:
+    _assert_greedy_matches(
+        load_model(str(family.directory)),
+        family,
+        block_size=block_size,
+        num_kv_blocks=1024 // block_size,
+        enable_prefix_caching=prefix_caching,
+    )
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_greedy_equals_transformers_with_prefix_hits_and_preemption(
+    family: Family, block_size: int, source: str
+) -> None:
+    """Few blocks: the second copies hit the first ones' cached prefix, and requests are
+    preempted and recomputed."""
+    loaded = load_model(str(family.directory if source == "hf" else family.gguf))
+    stats = _assert_greedy_matches(
+        loaded, family, repeat=2, block_size=block_size, num_kv_blocks=128 // block_size
+    )
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["preemptions_recompute"] > 0
+
+
+def test_greedy_equals_transformers_on_every_kernel_target(
+    family: Family, kernel_target: str
+) -> None:
+    loaded = load_model(str(family.directory))
+    llm = make_llm(loaded, block_size=16, num_kv_blocks=8)
+    assert llm.engine.runner.kernels["kernel_target"] == kernel_target
+    stats = _assert_greedy_matches(loaded, family, repeat=2, block_size=16, num_kv_blocks=8)
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats["preemptions_recompute"] > 0
+
+
+def test_gguf_file_loads_the_same_model(family: Family) -> None:
+    from_dir, from_gguf = load_model(str(family.directory)), load_model(str(family.gguf))
+    assert from_gguf.config == from_dir.config
+    ids = family.prompts[0]
+    torch.testing.assert_close(
+        full_logits(from_gguf.model, ids), full_logits(from_dir.model, ids), atol=0, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("config_class", "extra"),
+    [
+        ("Qwen3Config", {"head_dim": 32, "attention_bias": True}),
+        ("Qwen3Config", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+        ("Phi3Config", {"num_key_value_heads": 1}),
+    ],
+)
+def test_logits_equal_transformers(config_class: str, extra: dict[str, Any]) -> None:
+    reference = _reference_model(config_class, **extra)
+    config = hf_config(reference.config.to_dict(), config_class)
+    assert config.attention_bias == bool(extra.get("attention_bias"))
+    model = architecture(config.model_type, "test").model_class(config, torch.float32)
+    with torch.no_grad():
+        model.load_weights(reference.state_dict().items())
+    ids = torch.randint(0, TINY["vocab_size"], (40,)).tolist()
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(full_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        (
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+            "unsupported rope_scaling type 'longrope'",
+        ),
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
+        ({"rope_parameters": {"partial_rotary_factor": 0.5}}, "partial_rotary_factor 0.5"),
+    ],
+)
+def test_phi3_variants_not_implemented_are_refused(
+    tmp_path: Path, changes: dict[str, Any], problem: str
+) -> None:
+    directory = _save(_reference_model("Phi3Config"), tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    del config["rope_parameters"]  # as in config.json files older than transformers 5
+    (directory / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ModelLoadError, match=problem):
+        load_model(str(directory))
