@@ -38,20 +38,22 @@ def describe(
     prefill: Any,
     fused: Any,
     packed: Packed,
+    *,
+    head_dim: int,
 ) -> dict[str, str]:
-    """The kernels a runner uses: every value a short phrase, for stats() and the line."""
-
-    def c_or(kernel: Any, fallback: str) -> str:
-        return "C++" if kernel is not None else fallback
-
-    prefill_ok = prefill is not None and prefill.supports_prefill(dtype, 64)
+    """The kernels a runner uses for its KV cache's ``dtype`` and ``head_dim`` (the same
+    questions ``FastAttention`` asks at every step): every value a short phrase, for stats()
+    and the line."""
+    decode_ok = decode is not None and decode.supports(dtype, head_dim)
+    prefill_ok = prefill is not None and prefill.supports_prefill(dtype, head_dim)
     info = {
         "cpu": isa.cpu_name(),
         "cpu_features": isa.shown_features(),
         "kernel_target": target or isa.NONE,
-        "decode_attention": c_or(decode, "torch"),
+        "head_dim": str(head_dim),
+        "decode_attention": "C++" if decode_ok else "torch",
         "prefill_attention": "C++" if prefill_ok else "SDPA",
-        "layer_ops": c_or(fused, "torch"),
+        "layer_ops": "C++" if fused is not None else "torch",
         "matmul": matmul_kind(packed, getattr(fused, "matmul_unit", None)),
     }
     failed = [
@@ -62,12 +64,13 @@ def describe(
     return info
 
 
-def describe_gpu(device: torch.device) -> dict[str, str]:
+def describe_gpu(device: torch.device, *, head_dim: int) -> dict[str, str]:
     """The kernels of a runner on a CUDA GPU: the Triton kernels attend, torch (cuBLAS) runs
     the layers."""
     return {
         "gpu": torch.cuda.get_device_name(device),
         "cuda": str(torch.version.cuda),
+        "head_dim": str(head_dim),
         "decode_attention": "Triton",
         "prefill_attention": "Triton",
         "layer_ops": "torch",
@@ -103,8 +106,9 @@ def line(info: dict[str, str], dtype: torch.dtype) -> str:
         where = f"CPU: {info['cpu']} ({info['cpu_features']})"
         where += f"; kernel target {info['kernel_target']}"
     text = (
-        f"{where}; {dtype_name}: decode attention {info['decode_attention']}, prefill attention "
-        f"{info['prefill_attention']}, layer ops {info['layer_ops']}, matmuls {info['matmul']}"
+        f"{where}; {dtype_name}, head_dim {info['head_dim']}: decode attention "
+        f"{info['decode_attention']}, prefill attention {info['prefill_attention']}, "
+        f"layer ops {info['layer_ops']}, matmuls {info['matmul']}"
     )
     if "weights" in info:
         text += f"; weights {info['weights']}, {int(info['weight_bytes']) / 1e6:.1f} MB"

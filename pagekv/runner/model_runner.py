@@ -159,13 +159,16 @@ class ModelRunner:
 
     def _kernels(self, attention: AttentionBackend) -> dict[str, str]:
         """Which kernel runs each part of a step here (``kernels.report``)."""
+        head_dim = self.kv.k[0].shape[-1]
         if self.on_gpu:
-            return {**report.describe_gpu(self.device), **report.describe_weights(self.model)}
+            gpu = report.describe_gpu(self.device, head_dim=head_dim)
+            return {**gpu, **report.describe_weights(self.model)}
         fast = attention is AttentionBackend.FAST
         ops = self.model.ops if isinstance(self.model.ops, fused_ops.FusedOps) else None
         first = self.model.packed_weight(0, "qkv_proj")
         target = isa.selected() if fast else None
-        info = report.describe(target, self.dtype, self.kernel, self.prefill_kernel, ops, first)
+        kernels = (self.kernel, self.prefill_kernel, ops)
+        info = report.describe(target, self.dtype, *kernels, first, head_dim=head_dim)
         return {**info, **report.describe_weights(self.model)}
 
     def _speed_up_model(self, int8_activations: bool) -> None:

@@ -1,0 +1,63 @@
+"""The start-up line names the attention path that runs for the loaded model, not the default
+model's: a tiny Llama of head_dim 64 and one of head_dim 128, each prefilled once, with the
+prefill kernel and the SDPA fallback watched."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagekv import SamplingParams
+from pagekv.kernels.prefill import PrefillKernel
+from pagekv.models import load_model
+from pagekv.runner import fast_attention
+from tests.engine.test_engine_golden import make_llm
+from tests.models.test_families import _reference_model, _save
+
+pytest.importorskip("transformers")
+
+
+def _counted(calls: Counter[str], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        return function(*args, **kwargs)
+
+    return counting
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_line_names_the_prefill_path_that_runs(
+    head_dim: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    heads = 256 // head_dim
+    reference = _reference_model(
+        "LlamaConfig",
+        hidden_size=256,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+    )
+    loaded = load_model(str(_save(reference, tmp_path)))
+    assert loaded.config.head_dim == head_dim
+    llm = make_llm(loaded, block_size=16, num_kv_blocks=64)
+    line = llm.engine.system_line
+    assert f"float32, head_dim {head_dim}:" in line, line
+
+    calls: Counter[str] = Counter()
+    monkeypatch.setattr(PrefillKernel, "__call__", _counted(calls, "C++", PrefillKernel.__call__))
+    for name in ("_prefill_chunk", "_prefill_group"):
+        monkeypatch.setattr(
+            fast_attention, name, _counted(calls, "SDPA", getattr(fast_attention, name))
+        )
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}], params, use_tqdm=False)
+
+    assert len(calls) == 1, calls  # one path took every prefill of the step
+    (ran,) = calls
+    assert f"prefill attention {ran}," in line, (calls, line)
+    if llm.engine.runner.prefill_kernel is not None and head_dim == 64:
+        assert ran == "C++"  # the kernels' own head_dim: a line saying SDPA here is wrong
