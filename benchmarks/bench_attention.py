@@ -1,6 +1,6 @@
 """Paged decode attention vs contiguous SDPA: batch 64, 9 query / 3 KV heads, head dim 64.
 
-    python benchmarks/bench_attention.py [--dtype bfloat16] [--threads 1] [--repeat 5]
+    python benchmarks/bench_attention.py [--dtype bfloat16] [--threads 1] [--repeat 5] [--record]
 
 One decode step of one layer: each of 64 sequences has one query over ``context`` cached
 tokens. "paged" reads K/V through shuffled block tables (block size 16) with pagekv's decode
@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from pagekv.kernels import decode
 from pagekv.kernels.decode import DecodeBatch
 from pagekv.runner.fast_attention import decode_attention_torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 64, 9, 3, 64, 16
 CONTEXTS = (64, 128, 256, 512, 1024, 2048)
@@ -102,17 +105,31 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--torch-fallback", action="store_true", help="paged via torch ops")
+    record.add_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     path = "torch fallback" if args.torch_fallback else "C kernel"
-    print(
+    setting = (
         f"batch {BATCH}, heads {HEADS}/{KV_HEADS}, head dim {HEAD_DIM}, {args.dtype}, "
         f"{args.threads} thread(s), paged = {path}"
     )
+    print(setting)
     print(f"{'context':>8} {'paged ms':>9} {'sdpa ms':>9} {'paged/sdpa':>11}")
+    rows: list[list[record.Cell]] = []
     for context, paged_s, sdpa_s in run(dtype, args.repeat, not args.torch_fallback):
         print(f"{context:>8} {paged_s * 1e3:>9.3f} {sdpa_s * 1e3:>9.3f} {paged_s / sdpa_s:>11.2f}")
+        paged_ms, sdpa_ms = round(paged_s * 1e3, 3), round(sdpa_s * 1e3, 3)
+        rows.append([context, paged_ms, sdpa_ms, round(paged_s / sdpa_s, 2)])
+    if args.record is not None:
+        record.save(
+            args.record or f"attention-{args.dtype}" + ("-torch" if args.torch_fallback else ""),
+            f"Paged decode attention against SDPA over contiguous K/V, {args.dtype}",
+            ["context", "paged ms", "sdpa ms", "paged / sdpa"],
+            rows,
+            f"One layer's decode step: {setting}; shuffled block tables of {BLOCK} tokens; "
+            f"medians of {args.repeat} alternating runs; paged / sdpa below 1: paged faster.",
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Microbenchmark of pagekv.core's hot paths (no torch; invariant checks off).
 
-    python benchmarks/bench_core.py
+    python benchmarks/bench_core.py [--record]
 
 (a) BlockPool(num_blocks=65536, block_size=16): single-block ``allocate_one`` / ``free([b])``
     calls per second (one call = one op), and blocks per second for batched
@@ -15,6 +15,7 @@ ops/s; < 500 us per 256-request step.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -26,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagekv.core import BlockPool, KVCacheManager, Request
 from pagekv.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 NUM_BLOCKS = 65536
 BLOCK_SIZE = 16
@@ -123,6 +127,9 @@ def append_slots_step_us(
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    record.add_argument(parser)
+    args = parser.parse_args()
     single = single_block_ops_per_s()
     batched = {n: batched_blocks_per_s(n) for n in (16, 256)}
     mean_us, p99_us = append_slots_step_us()
@@ -152,9 +159,26 @@ def main() -> None:
     ]
     print(f"pagekv.core microbenchmark (Python {sys.version.split()[0]}, median of {REPEATS})")
     print(f"{'measure':<34} {'result':>22} {'target':>14}  ok")
-    for name, result, target, ok in rows:
-        verdict = "" if ok is None else ("yes" if ok else "NO")
+    table: list[list[record.Cell]] = [
+        [name, result, target, "" if ok is None else ("yes" if ok else "NO")]
+        for name, result, target, ok in rows
+    ]
+    for name, result, target, verdict in table:
         print(f"{name:<34} {result:>22} {target:>14}  {verdict}")
+    if args.record is not None:
+        save_record(args.record or "core", table)
+
+
+def save_record(name: str, table: list[list[record.Cell]]) -> None:
+    record.save(
+        name,
+        "Core memory manager: block pool and append_slots",
+        ["measure", "result", "target", "ok"],
+        table,
+        f"BlockPool(num_blocks={NUM_BLOCKS}, block_size={BLOCK_SIZE}), no torch, invariant "
+        f"checks off, median of {REPEATS} after a warm-up; append_slots: 256 requests decoding "
+        "in lock-step (every 16th step all open a block: the p99).",
+    )
 
 
 if __name__ == "__main__":

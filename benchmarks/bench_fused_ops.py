@@ -1,6 +1,6 @@
 """Fused layer ops (``kernels/fused_ops.py``) against torch ops, side by side in one run.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_fused_ops.py [--steps 15] [--rounds 2]
+    OMP_NUM_THREADS=1 python benchmarks/bench_fused_ops.py [--steps 15] [--rounds 2] [--record]
 
 1. One decode step of the default model in bfloat16: 64 requests with ~300-token prompts are
    prefilled, then decode steps alternate between torch ops and fused ops on the same engine
@@ -33,6 +33,9 @@ from pagekv.kernels import fused_ops
 from pagekv.models.layer_ops import TORCH_OPS, LayerOps
 from pagekv.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
+
 BATCH, PROMPT_TOKENS = 64, 300
 SUMMARY_KEYS = ("elapsed_s", "output_tokens_per_s", "tpot_p50_ms")
 
@@ -62,7 +65,10 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def decode_step(steps: int, fused: LayerOps) -> None:
+Row = list[record.Cell]  # measure, torch ops, fused ops, speed-up (times faster fused)
+
+
+def decode_step(steps: int, fused: LayerOps) -> list[Row]:
     engine = _decoding_engine()
     model = engine.runner.model
     ops: dict[str, LayerOps] = {"torch": TORCH_OPS, "fused": fused}
@@ -74,13 +80,17 @@ def decode_step(steps: int, fused: LayerOps) -> None:
     print(f"decode step, bf16, batch {BATCH}, context ~{PROMPT_TOKENS}, {steps} steps each:")
     for name in ops:
         print(f"  engine.step() {name:5s} {_median_ms(step[name])}")
-    ratio = statistics.median(step["torch"]) / statistics.median(step["fused"])
-    print(f"  speed-up {ratio:.3f}x")
+    torch_ms, fused_ms = (statistics.median(step[name]) * 1e3 for name in ops)
+    print(f"  speed-up {torch_ms / fused_ms:.3f}x")
     engine.close()
-    ops_alone(model.config.hidden_size, model.config.intermediate_size, fused)
+    measure = f"engine.step(), bf16 decode, batch {BATCH}, ms"
+    rows: list[Row] = [
+        [measure, round(torch_ms, 2), round(fused_ms, 2), round(torch_ms / fused_ms, 3)]
+    ]
+    return rows + ops_alone(model.config.hidden_size, model.config.intermediate_size, fused)
 
 
-def ops_alone(hidden: int, inter: int, fused: LayerOps, repeat: int = 200) -> None:
+def ops_alone(hidden: int, inter: int, fused: LayerOps, repeat: int = 200) -> list[Row]:
     """One layer's elementwise work at batch 64 (2 norms, rope+split, silu*up), per call."""
     gen = torch.Generator().manual_seed(0)
 
@@ -96,15 +106,19 @@ def ops_alone(hidden: int, inter: int, fused: LayerOps, repeat: int = 200) -> No
         "silu_mul": lambda o: o.silu_mul(gate_up),
     }
     print(f"ops alone, bf16, {BATCH} tokens (median of 7 x {repeat} calls):")
+    rows: list[Row] = []
     for name, fn in work.items():
-        row = []
-        for label, ops in (("torch", TORCH_OPS), ("fused", fused)):
+        us = []
+        for ops in (TORCH_OPS, fused):
             times = [_timed(lambda o=ops, f=fn: [f(o) for _ in range(repeat)]) for _ in range(7)]
-            row.append(f"{label} {statistics.median(times) / repeat * 1e6:7.1f} us")
-        print(f"  {name:13s} " + "   ".join(row))
+            us.append(statistics.median(times) / repeat * 1e6)
+        print(f"  {name:13s} torch {us[0]:7.1f} us   fused {us[1]:7.1f} us")
+        measure = f"{name} alone, bf16, {BATCH} tokens, us a call"
+        rows.append([measure, round(us[0], 1), round(us[1], 1), round(us[0] / us[1], 2)])
+    return rows
 
 
-def end_to_end(rounds: int) -> None:
+def end_to_end(rounds: int) -> list[Row]:
     results: dict[str, list[dict[str, float]]] = {"0": [], "1": []}
     for _ in range(rounds):
         for flag in ("0", "1"):
@@ -114,10 +128,15 @@ def end_to_end(rounds: int) -> None:
         for run in runs:
             shown = ", ".join(f"{k} {v:.2f}" for k, v in run.items())
             print(f"  PAGEKV_FUSED_OPS={flag}: {shown}")
+    rows: list[Row] = []
     for key in SUMMARY_KEYS:
         off = statistics.median(r[key] for r in results["0"])
         on = statistics.median(r[key] for r in results["1"])
         print(f"  median {key}: off {off:.2f}, on {on:.2f} ({on / off:.3f}x)")
+        faster = on / off if key.endswith("_per_s") else off / on
+        measure = f"pagekv bench random bf16, 1 thread: {key}"
+        rows.append([measure, round(off, 2), round(on, 2), round(faster, 3)])
+    return rows
 
 
 def _bench_once(flag: str) -> dict[str, float]:
@@ -141,14 +160,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="decode steps per mode")
     parser.add_argument("--rounds", type=int, default=2, help="end-to-end runs per mode")
     parser.add_argument("--skip-end-to-end", action="store_true")
+    record.add_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     fused = fused_ops.load()
     if fused is None:
         sys.exit("fused ops unavailable (no compiler, or PAGEKV_FUSED_OPS=0)")
-    decode_step(args.steps, fused)
+    rows = decode_step(args.steps, fused)
     if not args.skip_end_to_end:
-        end_to_end(args.rounds)
+        rows += end_to_end(args.rounds)
+    if args.record is not None:
+        record.save(
+            args.record or "fused_ops",
+            "Fused layer ops (C) against torch ops",
+            ["measure", "torch ops", "fused ops", "speed-up"],
+            rows,
+            f"One thread; medians of {args.steps} alternating decode steps, and of "
+            f"{args.rounds} alternating runs per mode end to end (PAGEKV_FUSED_OPS=0 / 1); "
+            "speed-up: how many times faster the fused ops are (above 1: faster).",
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Long prompts among short requests: does chunked prefill protect the short ones' decode speed?
 
     OMP_NUM_THREADS=1 python benchmarks/bench_long_short.py [--dtype float32] [--only NAME]
+                                                            [--record]
 
 Workload (fixed seed, real default model SmolLM2-135M-Instruct, float32 by default): 60 short
 requests (prompts of 20-40 tokens, 16 greedy output tokens each), one arriving every
@@ -53,6 +54,9 @@ from pagekv.engine import LLMEngine
 from pagekv.engine.config import EngineConfig
 from pagekv.models import load_model
 from pagekv.models.loader import LoadedModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 NUM_SHORT = 60
 SHORT_OUTPUT = 16
@@ -175,6 +179,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--only", choices=list(SETTINGS), action="append")
+    record.add_argument(parser)
     args = parser.parse_args()
     loaded = load_model(None, torch.float32 if args.dtype == "float32" else torch.bfloat16)
     print(
@@ -192,8 +197,9 @@ def main() -> None:
         f"{'':<18} " + " ".join(f"{'ms':>9}" for _ in columns) + f" {'':>6} {'tokens':>9}"
         f" {'':>6} {'ms':>9} {'s':>6}"
     )
+    rows: list[list[record.Cell]] = []
     for name in args.only or list(SETTINGS):
-        base_p99 = None
+        base_p99 = 0.0
         for with_long in (False, True):
             result = run(loaded, args.dtype, name, with_long)
             s = summarize(result)
@@ -207,6 +213,33 @@ def main() -> None:
                 f"{result.max_step_s * 1e3:9.0f} {result.wall_s:6.1f}",
                 flush=True,
             )
+        rows.append(record_row(name, base_p99, s, result.long_prefilled_tokens))
+    if args.record is not None:
+        save_record(args.record or "long_short", args.dtype, rows)
+
+
+def record_row(
+    name: str, base_p99: float, with_long: dict[str, float], long_done: int
+) -> list[record.Cell]:
+    """A setting's row: TPOT p99 without and with the long prompts, their ratio, and the
+    short requests' ITL p99 and TTFT p50 with them; all in ms."""
+    p99 = with_long["tpot_p99"]
+    ms = [f"{with_long[key]:,.0f} ms" for key in ("itl_p99", "ttft_p50")]
+    return [name, f"{base_p99:,.0f} / {p99:,.0f} ms", f"{p99 / base_p99:.2f}x", *ms, long_done]
+
+
+def save_record(name: str, dtype: str, rows: list[list[record.Cell]]) -> None:
+    columns = ["setting", "TPOT p99 without / with long", "ratio", "ITL p99 with"]
+    columns += ["TTFT p50 with", f"long done (of {NUM_LONG * LONG_TOKENS:,})"]
+    record.save(
+        name,
+        "Long prompts among short requests: the short ones' decode with and without them",
+        columns,
+        rows,
+        f"{NUM_SHORT} short requests (20-40-token prompts, {SHORT_OUTPUT} tokens) one every "
+        f"{STEPS_PER_ARRIVAL} steps, {NUM_LONG} prompts of {LONG_TOKENS:,} tokens among them; "
+        f"FCFS, {dtype}, process CPU time; the criterion: ratio <= 1.5.",
+    )
 
 
 if __name__ == "__main__":

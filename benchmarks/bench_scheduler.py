@@ -1,6 +1,6 @@
 """Scheduling overhead: ``schedule()`` + ``update()`` per step with 256 running requests.
 
-    python benchmarks/bench_scheduler.py
+    python benchmarks/bench_scheduler.py [--record]
 
 No model and no torch: a fake runner "samples" a fixed token for every request that reaches
 the end of its tokens (building that dict is not timed). Invariant checks off. Each request has
@@ -20,6 +20,7 @@ gave the core to someone else.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import statistics
 import sys
@@ -31,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagekv.core import KVCacheManager, Request
 from pagekv.core.scheduler import Scheduler, SchedulerConfig
 from pagekv.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 NUM_REQUESTS = 256
 PROMPT_TOKENS = 64
@@ -100,11 +104,15 @@ def median_of_repeats(num_blocks: int, policy: str) -> tuple[float, float, float
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    record.add_argument(parser)
+    args = parser.parse_args()
     total_tokens = PROMPT_TOKENS + WARMUP_STEPS + STEPS
     ample = NUM_REQUESTS * (total_tokens // BLOCK_SIZE + 2)
     tight = int(ample * 0.98)
     print(f"{NUM_REQUESTS} running requests, block_size {BLOCK_SIZE}, {STEPS} steps x {REPEATS}")
     print(f"{'scenario':<40} {'mean ms':>8} {'p99 ms':>8} {'CPU ms':>8} {'preemptions':>12}")
+    rows: list[list[record.Cell]] = []
     for name, blocks, policy in [
         (f"fcfs, ample pool ({ample} blocks)", ample, "fcfs"),
         (f"priority, ample pool ({ample} blocks)", ample, "priority"),
@@ -113,6 +121,16 @@ def main() -> None:
         mean, p99, cpu_ms, preemptions = median_of_repeats(blocks, policy)
         flag = "ok" if mean < TARGET_MS else "over target"
         print(f"{name:<40} {mean:8.3f} {p99:8.3f} {cpu_ms:8.3f} {preemptions:12d}  {flag}")
+        rows.append([name, round(mean, 3), round(p99, 3), round(cpu_ms, 3), preemptions])
+    if args.record is not None:
+        record.save(
+            args.record or "scheduler",
+            "Scheduler overhead: schedule() + update() per step, 256 requests decoding",
+            ["scenario", "mean wall ms", "p99 wall ms", "mean CPU ms", "preemptions"],
+            rows,
+            f"A fake runner, no torch; median of {REPEATS} x {STEPS} steps; target < "
+            f"{TARGET_MS:g} ms mean; p99 is the steps where all 256 open a block at once.",
+        )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/bench_serve.py                       # starts its own server
     python benchmarks/bench_serve.py --url http://127.0.0.1:8000 --num-requests 200
     python benchmarks/bench_serve.py --compare-offline     # + the same workload via LLM()
+    python benchmarks/bench_serve.py --compare-offline --record   # and save the table
 
 Each request streams ``/v1/completions`` (greedy, ``ignore_eos``, usage in the last chunk) with
 a seeded random prompt of ``--prompt-words`` words and ``--max-tokens`` tokens. Per request:
@@ -29,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = [
@@ -203,11 +207,11 @@ def offline(bodies: list[dict], num_kv_blocks: int, max_num_seqs: int) -> dict:
     }
 
 
-def report(summary: dict, args: argparse.Namespace) -> str:
-    def ms(key: str) -> str:
-        value = summary[key]
-        return "n/a" if value is None else f"{value * 1000:.0f} ms"
+def ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
+
+def report(summary: dict, args: argparse.Namespace) -> str:
     return "\n".join(
         [
             f"{summary['num_requests']} streaming requests, concurrency {args.concurrency}, "
@@ -216,8 +220,8 @@ def report(summary: dict, args: argparse.Namespace) -> str:
             "| --- | --- |",
             f"| requests/s | {summary['requests_per_s']:.2f} |",
             f"| output tokens/s | {summary['output_tokens_per_s']:.1f} |",
-            f"| TTFT p50 / p99 | {ms('ttft_p50_s')} / {ms('ttft_p99_s')} |",
-            f"| TPOT p50 / p99 | {ms('tpot_p50_s')} / {ms('tpot_p99_s')} |",
+            f"| TTFT p50 / p99 | {ms(summary['ttft_p50_s'])} / {ms(summary['ttft_p99_s'])} |",
+            f"| TPOT p50 / p99 | {ms(summary['tpot_p50_s'])} / {ms(summary['tpot_p99_s'])} |",
             f"| errors | {summary['num_errors']} |",
             f"| KV blocks in use after | {summary['kv_blocks_in_use_after']} |",
             f"| wall time | {summary['wall_s']:.1f} s |",
@@ -230,6 +234,35 @@ def report(summary: dict, args: argparse.Namespace) -> str:
                 else []
             ),
         ]
+    )
+
+
+RECORD_COLUMNS = ["concurrency", "requests/s", "output tok/s", "TTFT p50 / p99"]
+RECORD_COLUMNS += ["TPOT p50 / p99", "errors", "KV blocks in use after", "offline LLM requests/s"]
+
+
+def save_record(name: str, summary: dict[str, Any], args: argparse.Namespace) -> None:
+    offline = summary.get("offline")
+    row: list[record.Cell] = [
+        args.concurrency,
+        round(summary["requests_per_s"], 2),
+        round(summary["output_tokens_per_s"], 1),
+        f"{ms(summary['ttft_p50_s'])} / {ms(summary['ttft_p99_s'])}",
+        f"{ms(summary['tpot_p50_s'])} / {ms(summary['tpot_p99_s'])}",
+        summary["num_errors"],
+        summary["kv_blocks_in_use_after"],
+        round(offline["requests_per_s"], 2) if offline else None,
+    ]
+    server = f"pagekv serve --num-kv-blocks {args.num_kv_blocks} --max-num-seqs {args.max_num_seqs}"
+    server = "a running server" if args.url else f"`{server}`"
+    record.save(
+        name,
+        "HTTP server under load: concurrent streaming completions",
+        RECORD_COLUMNS,
+        [row],
+        f"{server}; {summary['num_requests']} streaming requests, prompts of {args.prompt_words} "
+        f"words, max_tokens {args.max_tokens}. KV blocks in use after: "
+        "leaks, must be 0; the offline LLM runs the same workload in process (the baseline).",
     )
 
 
@@ -246,6 +279,7 @@ def main() -> int:
     p.add_argument("--max-tokens", default="2,8", help="min,max output tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the summary here")
+    record.add_argument(p)
     args = p.parse_args()
     bodies = workload(
         args.num_requests, _range(args.prompt_words), _range(args.max_tokens), args.seed
@@ -268,6 +302,8 @@ def main() -> int:
     print(report(summary, args))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
+    if args.record is not None:
+        save_record(args.record or "serve", summary, args)
     return 0 if summary["num_errors"] == 0 and summary["kv_blocks_in_use_after"] == 0 else 1
 
 

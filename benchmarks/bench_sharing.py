@@ -1,6 +1,6 @@
 """KV memory saved by sharing: parallel sampling (n=4) and beam search (width 4 and 6).
 
-    python benchmarks/bench_sharing.py [--prompts 8] [--max-tokens 64] [--block-size 16]
+    python benchmarks/bench_sharing.py [--prompts 8] [--max-tokens 64] [--block-size 16] [--record]
 
 Workload: prompts of a few hundred tokens (a fixed paragraph plus a varying question), run one
 group at a time so the figures are per group. After every engine step we read the KV manager's
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -23,12 +25,19 @@ from pagekv.engine import LLMEngine
 from pagekv.engine.config import EngineConfig
 from pagekv.models.loader import load_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
+
 PARAGRAPH = (
     "Paged attention stores the key and value cache of a language model in fixed-size blocks, "
     "like pages of virtual memory. A block table maps each sequence's logical blocks to physical "
     "blocks, so a sequence needs no contiguous memory, finished sequences give their blocks back "
     "at once, and sequences that share a prefix can point at the same physical blocks. "
 ) * 6
+
+
+# The savings the PagedAttention paper reports on its own workloads.
+PAPER_PARALLEL, PAPER_BEAM = "6-10%", "38-55% (widths 2-6)"
 
 
 def measure(engine: LLMEngine, add: Callable[[str], None], prompts: list[str]) -> tuple[float, int]:
@@ -51,15 +60,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
+    record.add_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loaded = load_model(None, torch.float32)
     prompts = [f"{PARAGRAPH}Question {i}: what does a block table do?" for i in range(args.prompts)]
     num_tokens = [len(loaded.tokenizer.encode(p)) for p in prompts]
-    print(
-        f"prompts: {len(prompts)} of {min(num_tokens)}-{max(num_tokens)} tokens; "
-        f"max_tokens={args.max_tokens}; block_size={args.block_size}"
+    setting = (
+        f"{len(prompts)} prompts of {min(num_tokens)}-{max(num_tokens)} tokens, "
+        f"max_tokens={args.max_tokens}, block_size={args.block_size}"
     )
+    print(setting)
     counter = iter(range(10**9))
 
     def engine_for() -> LLMEngine:
@@ -89,6 +100,18 @@ def main() -> None:
     print(f"{'workload':<26}{'mean saving':>14}{'peak blocks':>14}")
     for name, saving, peak in rows:
         print(f"{name:<26}{saving:>13.1%}{peak:>14}")
+    if args.record is not None:
+        record.save(
+            args.record or "sharing",
+            "KV memory saved by sharing in parallel sampling and beam search",
+            ["workload", "mean saving", "peak physical blocks", "PagedAttention paper"],
+            [
+                [name, f"{saving:.1%}", peak, PAPER_BEAM if "beam" in name else PAPER_PARALLEL]
+                for name, saving, peak in rows
+            ],
+            f"{setting}, float32, prefix caching off (all sharing from forks); saving = 1 - "
+            "physical / logical blocks (what the branches would hold unshared), over steps.",
+        )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ report can also say how well the cost model predicts the steps the engine actual
 from any difference in scheduling (there should be none: same core, same requests).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_sim_calibration.py [--block-sizes 16,32]
-        [--cost FILE | --calibrate] [--num-requests N] [--json-out FILE]
+        [--cost FILE | --calibrate] [--num-requests N] [--json-out FILE] [--record]
 
 ``--calibrate`` first fits a cost model in this process (``pagekv sim calibrate``'s grid);
 without it the shipped default is used. Cost models are calibrated in process CPU seconds, so
@@ -25,8 +25,11 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +41,9 @@ from pagekv.sim.calibrate import CalibrationSettings, calibrate
 from pagekv.sim.cost_model import CostModel, StepShape
 from pagekv.sim.simulator import SimConfig, simulate
 from pagekv.sim.workload import from_prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 KV_CACHE_MEMORY = "2GiB"  # as pagekv.bench's offline runs
 
@@ -110,6 +116,7 @@ def main() -> None:
     source.add_argument("--calibrate", action="store_true", help="fit one here first")
     parser.add_argument("--num-requests", type=int, default=64, help="a prefix of the workload")
     parser.add_argument("--json-out", default=None)
+    record.add_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -157,6 +164,43 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"cost": json.loads(cost.to_json()), "rows": rows}, f)
+    if args.record is not None:
+        save_record(
+            args.record or "sim_calibration", rows, "fitted here" if args.calibrate else args.cost
+        )
+
+
+def save_record(name: str, rows: list[dict[str, Any]], cost_source: str | None) -> None:
+    def rate(tok_s: float, seconds: float) -> str:
+        return f"{tok_s:.2f} tok/s ({seconds:.0f} s)"
+
+    table: list[list[record.Cell]] = [
+        [
+            row["block_size"],
+            rate(row["real_tok_s"], row["real_s"]),
+            rate(row["real_cpu_tok_s"], row["real_cpu_s"]),
+            rate(row["sim_tok_s"], row["sim_s"]),
+            round(row["ratio"], 3),
+            f"{row['real_steps']} / {row['sim_steps']}",
+        ]
+        for row in rows
+    ]
+    record.save(
+        name,
+        "Simulator against the real engine on `random`",
+        [
+            "block size",
+            "real, wall",
+            "real, CPU",
+            "simulated",
+            "sim / real (wall)",
+            "steps real / sim",
+        ],
+        table,
+        f"Real LLMEngine float32, 1 thread, {KV_CACHE_MEMORY} of KV; cost model "
+        f"{cost_source or 'shipped (pagekv/sim/default_cost.json)'}; sim / real 1.0 is exact, "
+        "the target within 15%.",
+    )
 
 
 if __name__ == "__main__":

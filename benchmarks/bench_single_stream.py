@@ -50,6 +50,7 @@ from pagekv.kernels import isa
 from pagekv.models.loader import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 from compare import LLAMA_CPP_BIN
 
 _ids = itertools.count()
@@ -113,12 +114,14 @@ def main() -> None:
     parser.add_argument(
         "--llama-bench", action="store_true", help="also llama.cpp's llama-bench, same GGUF"
     )
+    record.add_argument(parser)
     args = parser.parse_args()
     model = args.model or default_model_path()
     if args.llama_bench and not (LLAMA_CPP_BIN / "llama-bench").exists():
         raise SystemExit(f"{LLAMA_CPP_BIN / 'llama-bench'} missing: run setup_llama_cpp.sh")
     prompt = [(17 + 31 * i) % 40000 + 100 for i in range(args.prompt_tokens)]
     engines: dict[tuple[str, str, str, str], LLMEngine] = {}
+    target_env = os.environ.get(isa.ISA_ENV)
     for target, dtype, quantization, activations in itertools.product(
         args.targets.split(","),
         args.dtypes.split(","),
@@ -149,27 +152,50 @@ def main() -> None:
         if args.llama_bench:
             llama.append(llama_bench(model, threads, args.prompt_tokens, args.new_tokens))
     print(f"CPU: {isa.cpu_name()} ({isa.shown_features()}), {os.cpu_count()} CPUs")
-    print(
+    setting = (
         f"{os.path.basename(model)}, {threads} thread(s), {args.prompt_tokens}-token prompt, "
         f"{args.new_tokens} new tokens, median of {args.rounds}"
     )
+    print(setting)
+    columns, rows = table(results, llama)
+    print("| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * len(columns))
+    for row in rows:
+        print("| " + " | ".join("" if c is None else str(c) for c in row) + " |")
+    if args.record is not None:
+        # the engines' loop forced each target in turn; the record names the one this CPU takes
+        os.environ.pop(isa.ISA_ENV, None)
+        os.environ.update({isa.ISA_ENV: target_env} if target_env is not None else {})
+        note = f"{setting}. Decode tok/s: (new tokens - 1) over the decode steps"
+        if llama:
+            note += "; the last column divides by llama-bench's decode on the same file"
+        title = "Single-stream decode per kernel target, dtype and weights"
+        title += ": pagekv against llama.cpp's llama-bench" if llama else ""
+        record.save(args.record or "single_stream", title, columns, rows, note + ".")
+
+
+def table(
+    results: dict[tuple[str, ...], list[tuple[float, float]]], llama: list[tuple[float, float]]
+) -> tuple[list[str], list[list[record.Cell]]]:
+    """The Markdown table's columns and rows: medians per engine, llama-bench's last."""
+    columns = ["target", "dtype", "weights", "decode tok/s", "prefill s"]
     llama_decode = statistics.median(r[1] for r in llama) if llama else None
-    ratio_head = " decode / llama.cpp |" if llama else ""
-    print(f"| target | dtype | weights | decode tok/s | prefill s |{ratio_head}")
-    print("| --- | --- | --- | --- | --- |" + (" --- |" if llama else ""))
+    rows: list[list[record.Cell]] = []
     for (target, dtype, quantization, activations), runs in results.items():
         decode = statistics.median(r[1] for r in runs)
         prefill = statistics.median(r[0] for r in runs)
         weights = "GGUF blocks" if quantization == "gguf" else f"{dtype} (dequantized)"
         weights += ", int8 activations" if activations == "int8" else ""
-        ratio = f" {decode / llama_decode:.2f}x |" if llama_decode else ""
-        print(f"| {target} | {dtype} | {weights} | {decode:.1f} | {prefill:.3f} |{ratio}")
+        rows.append([target, dtype, weights, round(decode, 1), round(prefill, 3)])
+        if llama_decode:
+            rows[-1].append(f"{decode / llama_decode:.2f}x")
     if llama_decode:
+        columns.append("decode / llama.cpp")
         prefill = statistics.median(r[0] for r in llama)
-        print(
-            f"| llama.cpp llama-bench | f16 KV | GGUF blocks | {llama_decode:.1f} | "
-            f"{prefill:.3f} | 1.00x |"
-        )
+        llama_row: list[record.Cell] = ["llama.cpp llama-bench", "f16 KV", "GGUF blocks"]
+        llama_row.append(round(llama_decode, 1))
+        rows.append([*llama_row, round(prefill, 3), "1.00x"])
+    return columns, rows
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Measure the two constants of the preemption cost model (``preemption_mode="auto"``).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_swap_cost.py [--dtype float32|bfloat16]
+    OMP_NUM_THREADS=1 python benchmarks/bench_swap_cost.py [--dtype float32|bfloat16] [--record]
 
 A preempted request costs either its recompute (its computed tokens prefilled again, batched
 with other work) or a swap round trip (its blocks copied to the host pool and back). This script
@@ -33,10 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagekv.core import KVCacheManager, Plan, Request, ScheduledRequest
 from pagekv.core.plan import BlockTransfers
+from pagekv.core.preemption import PreemptionCostModel
 from pagekv.models import load_model
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.model_runner import ModelRunner
 from pagekv.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 BLOCK_SIZE = 16
 REPEATS = 7
@@ -89,6 +93,7 @@ def swap_times(device: KVCache, host: KVCache) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    record.add_argument(parser)
     args = parser.parse_args()
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     loaded = load_model(None, dtype)
@@ -107,11 +112,39 @@ def main() -> None:
         f"swap:    {block_slope * 1e6:.1f} us/block ({block_bytes / 1024:.0f} KiB) "
         f"+ {block_fixed * 1e6:.1f} us/transfer"
     )
+    fitted = PreemptionCostModel(*(max(v, 0.0) for v in (token_slope, block_slope, block_fixed)))
     print(
         "PreemptionCostModel("
-        f"recompute_s_per_token={token_slope:.3g}, "
-        f"swap_s_per_block={block_slope:.3g}, "
-        f"swap_s_fixed={max(block_fixed, 0.0):.3g})"
+        f"recompute_s_per_token={fitted.recompute_s_per_token:.3g}, "
+        f"swap_s_per_block={fitted.swap_s_per_block:.3g}, "
+        f"swap_s_fixed={fitted.swap_s_fixed:.3g})"
+    )
+    if args.record is not None:
+        setting = f"{args.dtype}, {torch.get_num_threads()} thread(s), blocks of {BLOCK_SIZE} "
+        setting += f"tokens ({block_bytes / 1024:.0f} KiB)"
+        save_record(args.record or "swap_cost", fitted, setting)
+
+
+def save_record(name: str, fitted: PreemptionCostModel, setting: str) -> None:
+    default = PreemptionCostModel()
+    rows: list[list[record.Cell]] = [
+        [label, f"{getattr(fitted, key) * 1e3:.3g} ms", f"{getattr(default, key) * 1e3:.3g} ms"]
+        for label, key in (
+            (
+                f"prefill, per token (fit over {PREFILL_SIZES[0]}-{PREFILL_SIZES[-1]})",
+                "recompute_s_per_token",
+            ),
+            ("device -> host, per block", "swap_s_per_block"),
+            ("fixed, per call", "swap_s_fixed"),
+        )
+    ]
+    record.save(
+        name,
+        "Preemption cost model: recompute against swap on this machine",
+        ["constant", "measured", "PreemptionCostModel default"],
+        rows,
+        f"{setting}; medians of {REPEATS} runs, lines fitted by least squares; the default is "
+        "what pagekv/core/preemption.py ships.",
     )
 
 

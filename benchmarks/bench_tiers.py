@@ -1,6 +1,6 @@
 """Time to first token with the shared prefix only in the storage tier, vs cold recompute.
 
-    python benchmarks/bench_tiers.py [--kv-store SPEC] [--requests 6] [--dtype float32]
+    python benchmarks/bench_tiers.py [--kv-store SPEC] [--requests 6] [--dtype float32] [--record]
 
 Workload: every request is one 2,000-token system prompt plus a unique 50-token
 question (raw token ids from ``numpy.random.default_rng(0)``, as in benchmarks/workloads.py),
@@ -40,6 +40,9 @@ from pagekv.sampling_params import SamplingParams
 from pagekv.tiering.faults import SlowStore
 from pagekv.tiering.registry import open_store
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
+
 PREFIX_LEN, QUESTION_LEN = 2000, 50
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -74,12 +77,26 @@ def engine_for(loaded: LoadedModel, dtype: str, store: Any) -> LLMEngine:
     return LLMEngine(config, loaded)
 
 
+def save_record(name: str, args: argparse.Namespace, rows: list[list[record.Cell]]) -> None:
+    record.save(
+        name,
+        "Time to first token with a shared prefix in the storage tier against recomputing it",
+        ["mode", "median TTFT s", "min s", "max s", "vs cold"],
+        rows,
+        f"{args.requests} requests of a {PREFIX_LEN}-token prefix + {QUESTION_LEN} own tokens, "
+        f"{args.dtype}, caches reset before each; cold: no storage tier (the baseline); "
+        "storage: the prefix loaded from the store; slow: the store 0.3 s a call, so the "
+        "scheduler must recompute.",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kv-store", default=None, help="default: a fresh file store")
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
+    record.add_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     spec = args.kv_store or f"file:{tempfile.mkdtemp(prefix='pagekv-bench-')}"
@@ -102,11 +119,16 @@ def main() -> None:
     med = {mode: statistics.median(ts) for mode, ts in times.items()}
     print(f"store {spec}, {args.dtype}, {args.requests} requests of {PREFIX_LEN}+{QUESTION_LEN}")
     print(f"{'mode':<10}{'median TTFT s':>15}{'min':>9}{'max':>9}{'vs cold':>10}")
+    rows: list[list[record.Cell]] = []
     for mode, ts in times.items():
         print(
             f"{mode:<10}{med[mode]:>15.3f}{min(ts):>9.3f}{max(ts):>9.3f}"
             f"{med['cold'] / med[mode]:>9.2f}x"
         )
+        row: list[record.Cell] = [mode, round(med[mode], 3), round(min(ts), 3), round(max(ts), 3)]
+        rows.append([*row, f"{med['cold'] / med[mode]:.2f}x"])
+    if args.record is not None:
+        save_record(args.record or "tiers", args, rows)
     for name, engine in (("storage", stored), ("slow", slow)):
         stats = engine.stats()
         keys = (

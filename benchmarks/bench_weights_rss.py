@@ -1,6 +1,6 @@
 """Peak resident memory of a loaded engine, minus its KV pool, per way of keeping the weights.
 
-    python benchmarks/bench_weights_rss.py [--model FILE.gguf]
+    python benchmarks/bench_weights_rss.py [--model FILE.gguf] [--record]
 
 Each setting runs in a fresh process: load the engine with a small KV pool, generate a few
 tokens (so every weight has been read and packed), and report the process's peak RSS, the KV
@@ -15,6 +15,10 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 SETTINGS = [
     ("GGUF blocks, float32 activations", {"quantization": "gguf", "dtype": "float32"}),
@@ -70,21 +74,35 @@ def _run(code: str, *args: str) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
+    record.add_argument(parser)
     args = parser.parse_args()
     floor = int(_run(_FLOOR, args.model or "")["peak_rss"])  # type: ignore[call-overload]
     print(f"floor (interpreter, torch, kernels, tokenizer; no weights): {floor / 2**20:.1f} MiB")
-    columns = ("weights", "peak RSS", "RSS after", "KV pool", "peak - KV - floor")
-    print("| " + " | ".join((*columns, "after - KV - floor")) + " | (MiB)")
-    print("| --- | --- | --- | --- | --- | --- |")
+    columns = ["weights", "peak RSS", "RSS after", "KV pool"]
+    columns += ["peak - KV - floor", "after - KV - floor"]
+    print("| " + " | ".join(columns) + " | (MiB)")
+    print("|" + " --- |" * len(columns))
+    rows: list[list[record.Cell]] = []
     for name, settings in SETTINGS:
         if args.model:
             settings = {**settings, "model": args.model}
         r = _run(_ENGINE, json.dumps(settings))
         peak, now = int(r["peak_rss"]), int(r["rss"])  # type: ignore[call-overload]
         pool = int(r["kv_pool"])  # type: ignore[call-overload]
-        print(
-            f"| {name} | {peak / 2**20:.1f} | {now / 2**20:.1f} | {pool / 2**20:.1f} | "
-            f"{(peak - pool - floor) / 2**20:.1f} | {(now - pool - floor) / 2**20:.1f} |"
+        mib = [
+            round(b / 2**20, 1) for b in (peak, now, pool, peak - pool - floor, now - pool - floor)
+        ]
+        rows.append([f"{name} ({r['weights']})", *mib])
+        print("| " + " | ".join(str(cell) for cell in rows[-1]) + " |")
+    if args.record is not None:
+        record.save(
+            args.record or "weights_rss",
+            "Resident memory of the weights per way of keeping them",
+            [columns[0], *(f"{c} (MiB)" for c in columns[1:])],
+            rows,
+            f"A fresh process per row: an engine with a 64-block KV pool generates 16 tokens; the "
+            f"floor ({floor / 2**20:.1f} MiB) is the same imports, tokenizer and kernels without "
+            "weights. Compare the last columns with the weights' bytes in the first.",
         )
 
 

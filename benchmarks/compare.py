@@ -79,7 +79,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,7 @@ from pagekv.engine.config import EngineConfig
 from pagekv.models.loader import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 from peak_rss import TreeSampler
 
 REPO = Path(__file__).resolve().parents[1]
@@ -690,6 +691,53 @@ def pagekv_serve_runner(
     )
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """What the rounds gave: each engine's median output tok/s, its rate in every round, and
+    ``ours / peer`` ratios of medians (keys as printed, e.g. ``pagekv / vllm``)."""
+
+    median_tok_s: dict[str, float]
+    round_tok_s: dict[str, list[float]]
+    ratios: dict[str, float]
+
+
+def record_name(workload: Workload, dtype: str, engines: list[str]) -> str:
+    """``compare-WORKLOAD-DTYPE[-TARGET]-vs-PEERS``: what was compared, where it was forced
+    (``$PAGEKV_CPU_ISA``), against which peers (``hf@16`` and ``vllm-ngram`` count as hf, vllm)."""
+    peers = {e.split("@")[0].removesuffix("-ngram") for e in engines if not e.startswith("pagekv")}
+    target = os.environ.get("PAGEKV_CPU_ISA", "").strip().lower()
+    parts = ["compare", Path(workload.name).stem.lower(), dtype, *([target] if target else [])]
+    name = "-".join([*parts, *(["vs", *sorted(peers)] if peers else [])])
+    return re.sub(r"[^a-z0-9_.-]", "_", name)
+
+
+def record_comparison(
+    name: str, workload: Workload, args: argparse.Namespace, result: Comparison
+) -> None:
+    """Save the medians, rounds and ratios (``--record``): a row per engine, each peer's row
+    with every ``ours / peer`` ratio against it."""
+    rows: list[list[record.Cell]] = []
+    for engine, rate in result.median_tok_s.items():
+        against = [
+            f"{key.split(' / ')[0]} {ratio:.2f}x"
+            for key, ratio in result.ratios.items()
+            if key.endswith(f" / {engine}")
+        ]
+        rounds = ", ".join(f"{r:.1f}" for r in result.round_tok_s[engine])
+        rows.append([engine, round(rate, 1), rounds, ", ".join(against) or None])
+    peers = [e for e in result.median_tok_s if not e.startswith("pagekv")]
+    record.save(
+        name or record_name(workload, args.dtype, list(result.median_tok_s)),
+        f"Output tok/s on `{workload.name}` {args.dtype}: pagekv against "
+        + (", ".join(peers) or "itself"),
+        ["engine", "output tok/s (median)", "rounds", "ratio: pagekv / this engine"],
+        rows,
+        f"{len(workload.requests)} requests, {workload.num_output_tokens:,} output tokens "
+        f"(`@N`: the first N only), {args.num_threads} thread(s) for every engine, "
+        f"{args.rounds} alternating round(s); a ratio of medians above 1.00x: pagekv faster.",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="random")
@@ -733,6 +781,7 @@ def main() -> None:
         "request of the workload, as the offline engines queue them all at once)",
     )
     parser.add_argument("--json-out", default=None)
+    record.add_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     workload = load_workload(args.workload)
@@ -874,6 +923,12 @@ def main() -> None:
             print(f"WARNING {extra['engine']}: {warning}")
     print(f"peak RSS of this process (pagekv + hf): {peak_rss_bytes() / 2**30:.2f} GiB")
     print(f"started {started}, 1-min load average per run: {[round(x, 2) for x in loads]}")
+    if args.record is not None:
+        rates = {
+            name: [t / s for t, s in zip(outputs[name], elapsed[name], strict=True)]
+            for name in elapsed
+        }
+        record_comparison(args.record, workload, args, Comparison(summary, rates, ratios))
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(

@@ -1,6 +1,6 @@
 """Peak memory of a whole process tree (an engine and every worker it spawns), by sampling.
 
-    python benchmarks/peak_rss.py -- pagekv bench --workload random --num-threads 1
+    python benchmarks/peak_rss.py [--record] -- pagekv bench --workload random --num-threads 1
 
 ``ru_maxrss`` sees one process only, and vLLM runs its engine core in a child process, so
 this samples the tree with psutil every ``--interval`` seconds and reports the peak of
@@ -20,10 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
 
 
 class TreeSampler:
@@ -114,6 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interval", type=float, default=0.1)
     parser.add_argument("--json-out", default=None)
+    record.add_argument(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -132,6 +138,24 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump({"command": command, **result}, f, indent=2)
+    if args.record is not None:
+        rows: list[list[record.Cell]] = [
+            ["peak RSS, summed over the tree", f"{result['peak_rss_sum_bytes'] / gib:.2f} GiB"],
+            ["peak PSS, summed over the tree", f"{result['peak_pss_sum_bytes'] / gib:.2f} GiB"],
+            ["largest process's peak RSS", f"{result['peak_rss_single_bytes'] / gib:.2f} GiB"],
+            [
+                "samples, wall time, exit code",
+                f"{result['samples']}, {result['wall_s']:.1f} s, {rc}",
+            ],
+        ]
+        record.save(
+            args.record or "peak_rss",
+            "Peak memory of the command's whole process tree",
+            ["measure", "value"],
+            rows,
+            f"Sampled with psutil every {args.interval} s; RSS sums count shared pages once per "
+            "process, PSS splits them between their sharers (the tree's real footprint).",
+        )
     raise SystemExit(rc)
 
 
