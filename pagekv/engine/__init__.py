@@ -5,8 +5,11 @@
     beam_search.py    BeamSearchParams / BeamSearchOutput; beam_driver.py runs the beams
     detokenizer.py    incremental text from token ids
     outputs.py        RequestOutput / CompletionOutput (what the server and LLM API return)
-    sanitizer.py      the KV sanitizer (checks pooled K/V against a recompute)
+    sanitizer.py      the KV sanitizer (no write into a shared block; shared K/V never changes)
+    structured_output.py  grammars and the token masks of constrained requests
+    block_map.py      the device block map as JSON data (what /debug/kv draws)
     tier_setup.py     the host pool and storage tier, wired from the config
+    device.py         where the model runs: CPU or a CUDA GPU
     config.py         EngineConfig; args.py maps command-line flags onto it
 
 ``LLMEngine`` pulls in torch, so it is loaded on first use: importing the plain types

@@ -3,12 +3,18 @@
     csrc/         the sources: one .cpp per library, kernels.h declaring every entry point once
     isa           kernel targets (generic, avx2, avx512, avx512bf16, amx): which runs here
     build         build a library for a target (first use, cached), load it with ctypes
+    check         compile-check every library for every target (make lint)
     decode        paged decode attention, the KV write, bf16 argmax      (decode.cpp)
-    prefill       attention in tiles: prefill chunks, shared prefixes    (prefill.cpp)
+    prefill       prefill chunks; in tiles, shared prefixes and drafts   (prefill.cpp)
     fused_ops     the layer ops and the packed-weight matmuls, as LayerOps (fused_ops.cpp)
+      row_ops     RMSNorm(+residual), RoPE+split, SiLU x up on rows      (fused_ops.cpp)
       dense       float32/bf16 weights in stripes or tiles, their matmul (fused_ops.cpp)
       quant       GGUF-quantized weights in stripes, their matmul        (quant.h)
+      layer_stack a decode step's layers in one C call                   (fused_ops.cpp)
     report        the system-info line: CPU features and the kernels in use
+    triton_attention, triton_check   the GPU runner's Triton kernels and their compile check
+
+The words stripe, tile, run, unit, half, stack and cascade: docs/glossary.md.
 
 Each wrapper's ``load(target=None)`` returns None (the caller keeps torch ops) where there is no
 compiler, the build fails (a warning with the compiler's message), its switch is off, or

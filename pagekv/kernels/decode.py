@@ -1,17 +1,18 @@
 """A small C++ kernel for paged decode attention on CPU, compiled on first use, loaded by ctypes.
 
-Owns the kernel's source, its flags and the ctypes call; the build and its cache are
-``pagekv.native``'s. Why not torch ops: a decode row reads its whole history, and gathering that
-history through the block table into new tensors costs a copy of every K/V byte per layer per
-step; this kernel reads each cached K/V row in place, once. The same library writes a step's
-new K/V rows into their slots (``DecodeKernel.write_kv``): one call instead of two indexed
-copies, with the scattered destination rows requested ahead. For a layer stack that runs a
-decode step's layers in C, both at once for each layer (``step_attention``: the C function and
-its context, which the stack calls between the layer halves).
+Owns the ctypes calls of ``csrc/decode.cpp``; the build, its flags and its cache are
+``pagekv.kernels.build``'s. Why not torch ops: a decode row reads its whole history, and
+gathering that history through the block table into new tensors costs a copy of every K/V byte
+per layer per step; this kernel reads each cached K/V row in place, once. The same library
+writes a step's new K/V rows into their slots (``DecodeKernel.write_kv``): one call instead of
+two indexed copies, with the scattered destination rows requested ahead. For a layer stack that
+runs a decode step's layers in C, both at once for each layer (``step_attention``: the C
+function and its context, which the stack calls between the layer halves).
 
 ``load()`` returns None (and the caller falls back to torch ops) when there is no compiler, the
-build fails, or ``PAGEKV_CPU_KERNEL=0``. Must not import ``pagekv.core`` or ``server``; of
-``models``, only the layer ops' ``NativeAttention`` (``step_attention``'s result).
+build fails, ``PAGEKV_CPU_KERNEL=0`` or ``PAGEKV_CPU_ISA=none``. Must not import ``pagekv.core``
+or ``server``; of ``models``, only the layer ops' ``NativeAttention`` (``step_attention``'s
+result).
 """
 
 from __future__ import annotations

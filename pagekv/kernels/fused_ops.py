@@ -24,7 +24,7 @@ Owns the choice of layout for each weight (``pack``: the dense stripes and tiles
 ``dense``'s, the quantized stripes ``quant``'s) and the ctypes calls of the layer ops. The
 numbers follow ``layer_ops.TorchOps`` rounding point by rounding point (float32 math, one
 rounding to the dtype wherever torch rounds); only the sum of squares (another order) and exp
-(another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_numthreads()``
+(another polynomial) differ, by float32 ulps. Rows are split over ``torch.get_num_threads()``
 OpenMP threads once a call has enough work; each row is computed the same way whatever the
 split, so threads never change a bit. The stripes sum each output in one order (k ascending,
 one FMA chain) for any row count, so a row's numbers never depend on its batch; the tile

@@ -9,7 +9,10 @@ Layout (arrows point down; nothing here imports runner/, core/ or server/):
       hf_loader     config.json -> ModelConfig; safetensors shards
       tokenizer     Tokenizer (encode/decode/chat template); gguf_tokenizer builds GGUF ones
         chat_template sandboxed Jinja rendering + message validation
-      gemma         Gemma3ForCausalLM: a LlamaForCausalLM with Gemma 3's norms, MLP, RoPE
+      llama_family  the LLAMA, QWEN2 and MISTRAL architectures; qwen3, phi3 and gemma each
+                    define one more (QWEN3, PHI3; Gemma 2 and Gemma 3)
+      gemma         Gemma2/3ForCausalLM: a LlamaForCausalLM with Gemma's norms, MLP, RoPE
+      quantized     GGUF quant blocks kept for the kernels, decoded exactly
       llama         LlamaForCausalLM: forward(input_ids, positions, attention) -> hidden
         layer_ops     LayerOps (norms, RoPE, SiLU*up): the torch reference, TorchOps; the same
                       ops in C++ are pagekv.kernels.fused_ops, which the runner opts in to

@@ -1,13 +1,14 @@
 """Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
-through the prefill kernel (bf16: AMX tiles or AVX512-BF16 vectors; float32: AVX-512 FMAs) or
-SDPA; drafted decodes (several tokens a sequence) in bf16 through the prefill kernel's tiles
-too. Agrees with ``paged_attention_reference`` (tests/test_attention_fast.py).
+through the prefill kernel (bf16: AMX tiles or AVX512-BF16 vectors where the target has them;
+else, and float32 always, float32 vectors) or SDPA; drafted decodes (several tokens a sequence)
+and cascade attention over a prefix the decode rows share, in bf16 through the prefill kernel's
+tiles. Agrees with ``paged_attention_reference`` (tests/kernels/test_attention_fast.py).
 
 Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
 ``KVCache``. Why two paths: a decode row is one query over a long history, where the cost is
 reading K/V, so the kernel reads every cached row in place, once; a prefill chunk is many
 queries, where the cost is the QK^T and PV products, so blocked products win: the prefill
-kernel's (prefill_kernel.py, all chunks in one call, K/V read through the blocks), else
+kernel's (pagekv/kernels/prefill.py, all chunks in one call, K/V read through the blocks), else
 SDPA's. The reference instead pads every row to the longest query and the longest history of
 the batch.
 

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: completions, chat, metrics and a live KV block map.
 
-Talks only to the engine (tests/test_layers.py enforces it). One engine thread owns the
-``LLMEngine``; HTTP handlers on the asyncio loop send it commands through a thread-safe queue and
-read results from per-request ``OutputStream``s fed with ``loop.call_soon_threadsafe``.
+Talks only to the engine (tests/structure/test_layers.py enforces it). One engine thread owns
+the ``LLMEngine``; HTTP handlers on the asyncio loop send it commands through a thread-safe
+queue and read results from per-request ``OutputStream``s fed with
+``loop.call_soon_threadsafe``.
 
     HTTP handler --(EngineRequest, abort, call)--> queue --> engine thread: step() loop
     HTTP handler <--(RequestOutput, cumulative)--- OutputStream <--call_soon_threadsafe--'
