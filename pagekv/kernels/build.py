@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pagekv.kernels import isa
@@ -88,6 +89,13 @@ def load_optional(name: str, target: str | None, extra: tuple[str, ...] = ()) ->
         _outcomes[(name, target)] = str(exc)
         logger.warning("kernel %s (%s) unavailable, using torch ops: %s", name, target, exc)
         return None
+
+
+def head_dims(query: Callable[[int], int]) -> Callable[[int], bool]:
+    """Whether an attention kernel takes a head size, asked of its library once per size
+    (``decode_head_dim``, ``prefill_head_dim``): one of ``PAGEKV_HEAD_DIMS`` in ``kernels.h``,
+    the one place that lists them."""
+    return functools.cache(lambda head_dim: bool(query(head_dim)))
 
 
 def library_for(

@@ -28,12 +28,7 @@ from pagekv.models.layer_ops import NativeAttention
 
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
 
-_ENTRIES = {
-    (torch.float32, 64): "decode_f32_d64",
-    (torch.bfloat16, 64): "decode_bf16_d64",
-    (torch.float32, 128): "decode_f32_d128",
-    (torch.bfloat16, 128): "decode_bf16_d128",
-}
+_ENTRIES = {torch.float32: "decode_f32", torch.bfloat16: "decode_bf16"}  # by cache dtype
 
 
 @dataclass(frozen=True)
@@ -147,16 +142,18 @@ class CacheAddresses:
 
 
 class DecodeKernel:
-    """The loaded library. ``supports`` says which (cache dtype, head dim) pairs it has."""
+    """The loaded library. ``supports`` says which (cache dtype, head dim) pairs it has: every
+    head size ``kernels.h`` lists (PAGEKV_HEAD_DIMS), in float32 and bfloat16."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {key: getattr(library, name) for key, name in _ENTRIES.items()}
+        self._functions = {dtype: getattr(library, name) for dtype, name in _ENTRIES.items()}
+        self._head_dim = build.head_dims(library.decode_head_dim)
         self._write_rows = library.write_rows
         self._step_attention = ctypes.cast(library.step_attention, ctypes.c_void_p).value or 0
         self._argmax_bf16 = library.argmax_bf16_rows
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return (dtype, head_dim) in self._functions
+        return dtype in self._functions and self._head_dim(head_dim)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x.argmax(dim=-1)`` of bfloat16 [B, V] (the first maximum; NaN counts as the
@@ -276,8 +273,7 @@ class DecodeKernel:
         ):
             raise ValueError("decode kernel: wrong dtype, shape or layout of its inputs")
         out = torch.empty(q.shape, dtype=torch.float32)  # [Q, H, D]
-        fn = self._functions[(k_cache.dtype, head_dim)]
-        fn(
+        status = self._functions[k_cache.dtype](
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -290,6 +286,7 @@ class DecodeKernel:
             num_heads,
             num_kv_heads,
             block_size,
+            head_dim,
             batch.max_seq_len,
             batch.max_query_len if query_lens is not None else 1,
             scale,
@@ -297,6 +294,8 @@ class DecodeKernel:
             start,
             None if lse is None else lse.data_ptr(),
         )
+        if status != 0:
+            raise ValueError(f"decode kernel: no kernel for head_dim {head_dim}")
         return out
 
 

@@ -2,15 +2,17 @@
 
 - the prefill chunks of a step: causal attention of every chunk's new tokens over its
   sequence, K/V read from the paged cache through the chunk's block table, one call per layer
-  for all chunks. In bf16 tiles where the target has them (AMX, or AVX512-BF16 vectors
-  reading the same layout); on every target in float32 vectors (``vec.h``): scores of 16
+  for all chunks. In bf16 tiles where the target has them and the head size is 64 (AMX, or
+  AVX512-BF16 vectors reading the same layout); on every target and every head size of
+  ``kernels.h``'s PAGEKV_HEAD_DIMS (64, 128, 256) in float32 vectors (``vec.h``): scores of 16
   queries against a vector of keys a register at a time, softmax and values in float32 as SDPA
   keeps them, bf16 K/V widened once as they are packed;
-- decode rows that share a prefix (cascade attention, tiles only): the shared blocks attended
-  once for all rows, merged with each row's own rest, which the decode kernel attends, by
-  log-sum-exp;
-- drafted decodes (several query tokens per sequence, tiles only): per sequence and kv head the
-  history is packed once and every token's query heads fill one block of 16 rows (``decode``).
+- decode rows that share a prefix (cascade attention, tiles only, head size 64): the shared
+  blocks attended once for all rows, merged with each row's own rest, which the decode kernel
+  attends, by log-sum-exp;
+- drafted decodes (several query tokens per sequence, tiles only, head size 64): per sequence
+  and kv head the history is packed once and every token's query heads fill one block of 16
+  rows (``decode``).
 
 Why not SDPA: torch's CPU flash kernel runs prefill shapes (a few hundred tokens, 9 query heads
 over 3 kv heads, head dim 64) far below the machine's FMA rate. Per chunk (or prefix) and kv
@@ -63,13 +65,13 @@ class PrefillKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._backend = library.prefill_kernel_backend
         self.available = self.backend is not None  # bf16 tiles: AVX512-BF16, AMX or not
-        self._prefill = {  # dtype -> its prefill entry: bf16 in tiles, else float32 vectors
-            torch.bfloat16: library.prefill_attention_bf16_d64
-            if self.available
-            else library.prefill_attention_bf16_f32_d64,
-            torch.float32: library.prefill_attention_f32_d64,
+        self._tiles = library.prefill_attention_bf16_d64  # bf16, head_dim 64, in tiles
+        self._vectors = {  # float32 vectors on every target and head size of kernels.h
+            torch.float32: library.prefill_attention_f32,
+            torch.bfloat16: library.prefill_attention_bf16_f32,  # widened as they are packed
         }
-        self._prefill_dtypes = set(self._prefill)
+        self._prefill_dtypes = set(self._vectors)
+        self._head_dim = build.head_dims(library.prefill_head_dim)
         self._shared = library.shared_prefix_attention_bf16_d64
         self._decode = library.decode_attention_bf16_d64
 
@@ -90,8 +92,12 @@ class PrefillKernel:
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether ``__call__`` (prefill chunks) takes this: bf16 and float32 on every target
-        (bf16 in tiles where the target has them, else widened to float32)."""
-        return dtype in self._prefill_dtypes and head_dim == 64
+        and every head size of ``kernels.h`` (bf16 in tiles where the target has them and the
+        head size is theirs, else widened to float32)."""
+        return dtype in self._prefill_dtypes and self._head_dim(head_dim)
+
+    def _tiles_take(self, dtype: torch.dtype, head_dim: int) -> bool:
+        return self.available and dtype == torch.bfloat16 and head_dim == 64
 
     def __call__(
         self,
@@ -110,8 +116,7 @@ class PrefillKernel:
         _, block_size, num_kv_heads, _ = k_cache.shape
         if not (
             q.dtype == k_cache.dtype == v_cache.dtype == out.dtype
-            and q.dtype in self._prefill
-            and head_dim == 64
+            and self.supports_prefill(q.dtype, head_dim)
             and v_cache.shape == k_cache.shape
             and out.shape == q.shape
             and all(t.is_contiguous() for t in (q, k_cache, v_cache, out, batch.chunks))
@@ -122,22 +127,14 @@ class PrefillKernel:
             and batch.tables.is_contiguous()
         ):
             raise ValueError("prefill kernel: wrong dtype, shape or layout of its inputs")
-        if q.dtype not in self._prefill_dtypes:
-            return False
-        status = self._prefill[q.dtype](
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            out.data_ptr(),
-            batch.chunks.data_ptr(),
-            batch.chunks.shape[0],
-            batch.tables.data_ptr(),
-            num_heads,
-            num_kv_heads,
-            block_size,
-            scale,
-            torch.get_num_threads(),
-        )
+        pointers = (q, k_cache, v_cache, out, batch.chunks)
+        call = [*(t.data_ptr() for t in pointers), batch.chunks.shape[0], batch.tables.data_ptr()]
+        call += [num_heads, num_kv_heads, block_size]
+        threads = torch.get_num_threads()
+        if self._tiles_take(q.dtype, head_dim):
+            status = self._tiles(*call, scale, threads)
+        else:
+            status = self._vectors[q.dtype](*call, head_dim, scale, threads)
         return bool(status == 0)
 
     def shared_prefix(

@@ -200,7 +200,7 @@ def test_chunks_of_one_shape_are_attended_together(dtype: torch.dtype) -> None:
 
 @dataclass
 class PrefillStep:
-    """A step of prefill chunks only: q and the new k/v [T, heads, 64] in flat order."""
+    """A step of prefill chunks only: q and the new k/v [T, heads, head_dim] in flat order."""
 
     q: torch.Tensor
     new_k: torch.Tensor
@@ -222,6 +222,7 @@ def _prefill_step(
     heads: tuple[int, int],
     block_size: int,
     dtype: torch.dtype = torch.bfloat16,
+    head_dim: int = 64,
 ) -> PrefillStep:
     """Prefill chunks of (history, new tokens) through shuffled blocks, NaN in every slot no
     chunk has written."""
@@ -229,7 +230,7 @@ def _prefill_step(
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-(h + n) // block_size) for h, n in lens]
     order = torch.randperm(sum(needed) + 2, generator=gen)
-    shape = (sum(needed) + 2, block_size, num_kv_heads, 64)
+    shape = (sum(needed) + 2, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     chunks, new_k, new_v, used, start = [], [], [], 0, 0
@@ -239,13 +240,13 @@ def _prefill_step(
         positions = torch.arange(history + new)
         slots = blocks[positions // block_size] * block_size + positions % block_size
         for cache, step_rows in ((k_cache, new_k), (v_cache, new_v)):
-            rows = torch.randn(history + new, num_kv_heads, 64, generator=gen).to(cache.dtype)
-            cache.view(-1, num_kv_heads, 64)[slots] = rows
+            rows = torch.randn(history + new, num_kv_heads, head_dim, generator=gen).to(cache.dtype)
+            cache.view(-1, num_kv_heads, head_dim)[slots] = rows
             step_rows.append(rows[history:])
         mask = positions[None, :] <= (history + torch.arange(new))[:, None]
         chunks.append(PrefillChunk(start, new, history + new, blocks, mask if history else None))
         start += new
-    q = torch.randn(start, num_heads, 64, generator=gen).to(dtype)
+    q = torch.randn(start, num_heads, head_dim, generator=gen).to(dtype)
     layout = StepLayout(0, NO_DECODE, tuple(chunks))
     return PrefillStep(q, torch.cat(new_k), torch.cat(new_v), (k_cache, v_cache), layout)
 
@@ -259,9 +260,15 @@ def test_prefill_kernel_matches_float32_attention(heads: tuple[int, int], block_
     what SDPA in bf16 gets, and never reading an unwritten (NaN) slot."""
     assert PREFILL is not None
     lens = [(0, 277), (0, 5), (48, 100), (13, 2), (0, 64), (200, 133), (0, 2), (63, 65)]
-    step = _prefill_step(block_size, lens, heads, block_size)
+    _assert_bf16_prefill_near_float32(_prefill_step(block_size, lens, heads, block_size))
+
+
+def _assert_bf16_prefill_near_float32(step: PrefillStep) -> None:
+    """The prefill kernel's bf16 rows against float32 attention of the same bf16 numbers: within
+    what SDPA in bf16 gets, and never reading an unwritten (NaN) slot."""
+    assert PREFILL is not None
     out, sdpa = step.attend(PREFILL), step.attend(None)
-    group = heads[0] // heads[1]
+    group = step.q.shape[1] // step.caches[0].shape[2]
     for chunk in step.layout.prefill:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
         keys, values = (
@@ -284,6 +291,34 @@ def test_prefill_kernel_matches_float32_attention(heads: tuple[int, int], block_
         error = (out[rows].float() - expected).abs().max().item()
         sdpa_error = (sdpa[rows].float() - expected).abs().max().item()
         assert error <= max(2 * sdpa_error, 1e-2), (chunk, error, sdpa_error)
+
+
+# Head sizes beyond the default model's 64, with their models' GQA groups: 128 as Qwen2.5-1.5B
+# (12 heads on 2 KV heads), 256 as Gemma 3 (4 on 1), and groups of 1 and 8.
+WIDE_HEADS = [(128, (12, 2)), (128, (8, 1)), (128, (4, 4)), (256, (4, 1)), (256, (2, 2))]
+
+
+@on_every_target
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("head_dim", "heads"), WIDE_HEADS, ids=str)
+def test_prefill_kernel_takes_wide_heads(
+    head_dim: int, heads: tuple[int, int], block_size: int
+) -> None:
+    """head_dim 128 and 256 through the float32-vector kernel on every target: float32 within
+    float32 rounding of SDPA, each chunk the same bits alone; bf16 (widened as it is packed)
+    near float32 attention."""
+    if PREFILL is None or not PREFILL.supports_prefill(torch.float32, head_dim):
+        pytest.skip("no C++ compiler: the kernel is optional")
+    assert PREFILL.supports_prefill(torch.bfloat16, head_dim)
+    lens = [(0, 77), (0, 5), (48, 40), (13, 2), (100, 33)]
+    step = _prefill_step(block_size, lens, heads, block_size, torch.float32, head_dim)
+    out, sdpa = step.attend(PREFILL), step.attend(None)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out, sdpa, atol=2e-5, rtol=2e-5)
+    _assert_each_chunk_alone_is_the_same(step, out)
+    _assert_bf16_prefill_near_float32(
+        _prefill_step(block_size, lens, heads, block_size, torch.bfloat16, head_dim)
+    )
 
 
 @on_every_target
@@ -330,7 +365,7 @@ def test_prefill_kernel_rows_do_not_depend_on_the_step() -> None:
 
 @on_every_target
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("heads", [(NUM_HEADS, NUM_KV_HEADS), (8, 1), (4, 4), (10, 2)])
 def test_kernel_matches_torch_decode(
     dtype: torch.dtype, head_dim: int, heads: tuple[int, int]
@@ -706,7 +741,10 @@ def test_kernel_build_failure_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_head_dim_without_kernel_entry_uses_torch() -> None:
     assert HEAD_DIM == 64
     if KERNEL is not None:
-        assert KERNEL.supports(torch.float32, 64) and not KERNEL.supports(torch.float32, 80)
+        assert all(KERNEL.supports(torch.float32, d) for d in (64, 128, 256))
+        assert not KERNEL.supports(torch.float32, 80)
+    if PREFILL is not None:
+        assert not PREFILL.supports_prefill(torch.float32, 80)
 
 
 @pytest.mark.model

@@ -10,6 +10,8 @@ preemption, on every kernel target this CPU runs.
 from __future__ import annotations
 
 import json
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,12 @@ from tokenizers import models as tokenizer_models
 from pagekv import SamplingParams
 from pagekv.core.invariants import check_no_leak
 from pagekv.errors import ModelLoadError
+from pagekv.kernels import build
+from pagekv.kernels.prefill import PrefillKernel
 from pagekv.models import LoadedModel, load_model
 from pagekv.models.hf_loader import hf_config
 from pagekv.models.registry import architecture
+from pagekv.runner import fast_attention
 from tests.engine.test_engine_golden import (
     Reference,
     _greedy_reference,
@@ -51,10 +56,21 @@ TINY = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-FAMILIES = {
+WIDE = {"hidden_size": 96, "num_key_value_heads": 2}  # 96: whole heads of 12 and of 4
+FAMILIES = {  # name: model_type, or model_type-variant
     # head_dim not hidden / heads, as in real Qwen3 checkpoints
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
     "phi3": ("Phi3Config", {}),
+    # the head sizes and GQA groups of the models people run: 128 with 6 query heads a KV head
+    # (Qwen2.5-1.5B's 12 on 2), 256 with 2 (Gemma 3 has 4 on 1)
+    "llama-hd128": (
+        "LlamaConfig",
+        {**WIDE, "head_dim": 128, "num_attention_heads": 12},
+    ),
+    "llama-hd256": (
+        "LlamaConfig",
+        {**WIDE, "head_dim": 256, "num_attention_heads": 4},
+    ),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 
@@ -92,14 +108,16 @@ def _save(model: Any, directory: Path) -> Path:
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     name = request.param
+    model_type = name.split("-")[0]
     config_class, extra = FAMILIES[name]
     reference = _reference_model(config_class, **extra)
     directory = _save(reference, tmp_path_factory.mktemp(name))
     loaded = load_model(str(directory))
-    assert loaded.config.model_type == name
-    names = architecture(name, "test").gguf
-    assert names is not None
-    gguf = _write_gguf(tmp_path_factory.mktemp(name) / f"{name}.gguf", loaded.model, name, names)
+    assert loaded.config.model_type == model_type
+    arch = architecture(model_type, "test")
+    assert arch.gguf is not None
+    gguf_path = tmp_path_factory.mktemp(name) / f"{name}.gguf"
+    gguf = _write_gguf(gguf_path, loaded.model, model_type, arch.gguf, arch.gguf_rope_permuted)
     generator = torch.Generator().manual_seed(1)
     shared = torch.randint(3, TINY["vocab_size"], (40,), generator=generator).tolist()
     prompts = [
@@ -155,14 +173,48 @@ def test_greedy_equals_transformers_with_prefix_hits_and_preemption(
 
 
 def test_greedy_equals_transformers_on_every_kernel_target(
-    family: Family, kernel_target: str
+    family: Family, kernel_target: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """...with prefix hits and preemption; and the attention ran where the start-up line says:
+    the C kernels wherever they take the model's head size (64, 128, 256), torch's ops (SDPA,
+    the torch decode) only where it says so."""
     loaded = load_model(str(family.directory))
     llm = make_llm(loaded, block_size=16, num_kv_blocks=8)
-    assert llm.engine.runner.kernels["kernel_target"] == kernel_target
+    kernels = llm.engine.runner.kernels
+    assert kernels["kernel_target"] == kernel_target
+    head_dim = loaded.config.head_dim
+    if head_dim in (64, 128, 256) and build.find_compiler() is not None:
+        assert kernels["prefill_attention"] == kernels["decode_attention"] == "C++", kernels
+    calls = _count_attention_paths(monkeypatch)
     stats = _assert_greedy_matches(loaded, family, repeat=2, block_size=16, num_kv_blocks=8)
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["preemptions_recompute"] > 0
+    ran_prefill = {"C++"} if calls["prefill C++"] else set()
+    ran_prefill |= {"SDPA"} if calls["prefill SDPA"] else set()
+    assert ran_prefill == {kernels["prefill_attention"]}, calls
+    assert bool(calls["decode torch"]) == (kernels["decode_attention"] == "torch"), calls
+
+
+def _count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts, from here on, the calls of the prefill kernel and of torch's attention paths
+    (the decode kernel also runs inside C layer stacks, where Python does not see it)."""
+    calls: Counter[str] = Counter()
+
+    def counted(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return counting
+
+    monkeypatch.setattr(PrefillKernel, "__call__", counted("prefill C++", PrefillKernel.__call__))
+    for name, path in (
+        ("_prefill_chunk", "prefill SDPA"),
+        ("_prefill_group", "prefill SDPA"),
+        ("decode_attention_torch", "decode torch"),
+    ):
+        monkeypatch.setattr(fast_attention, name, counted(path, getattr(fast_attention, name)))
+    return calls
 
 
 def test_gguf_file_loads_the_same_model(family: Family) -> None:

@@ -181,11 +181,22 @@ def _write_hf_directory(directory: Path, model: LlamaForCausalLM, model_type: st
     return directory
 
 
+def _permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's permute of q/k rows, which ``unpermute_rope_rows`` undoes."""
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def _write_gguf(
-    path: Path, model: LlamaForCausalLM, arch: str, names: GGUFNames = GGUF_NAMES
+    path: Path,
+    model: LlamaForCausalLM,
+    arch: str,
+    names: GGUFNames = GGUF_NAMES,
+    rope_permuted: bool = False,
 ) -> Path:
     """The model's tensors under ``names`` (those it has), float32, with a byte-level BPE
-    tokenizer of 259 tokens."""
+    tokenizer of 259 tokens; with ``rope_permuted``, q and k rows interleaved per rotary pair as
+    llama.cpp writes a Llama's."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
@@ -208,7 +219,11 @@ def _write_gguf(
         assert hf_name is not None
         if hf_name not in hf_names:
             continue  # e.g. no q/k/v bias in this model
-        writer.add_tensor(gguf_name, hf_names[hf_name].numpy().astype(np.float32))
+        tensor = hf_names[hf_name].numpy().astype(np.float32)
+        if rope_permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+            tensor = _permute_rope_rows(tensor, heads)
+        writer.add_tensor(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

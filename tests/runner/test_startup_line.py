@@ -1,6 +1,6 @@
 """The start-up line names the attention path that runs for the loaded model, not the default
-model's: a tiny Llama of head_dim 64 and one of head_dim 128, each prefilled once, with the
-prefill kernel and the SDPA fallback watched."""
+model's: tiny Llamas of head_dim 64 and 128 (the kernels' sizes) and 96 (none of theirs), each
+prefilled once, with the prefill kernel and the SDPA fallback watched."""
 
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ def _counted(calls: Counter[str], name: str, function: Callable[..., Any]) -> Ca
     return counting
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
 def test_the_line_names_the_prefill_path_that_runs(
     head_dim: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    heads = 256 // head_dim
+    heads = 2 if head_dim == 96 else 256 // head_dim
     reference = _reference_model(
         "LlamaConfig",
         hidden_size=256,
@@ -59,5 +59,5 @@ def test_the_line_names_the_prefill_path_that_runs(
     assert len(calls) == 1, calls  # one path took every prefill of the step
     (ran,) = calls
     assert f"prefill attention {ran}," in line, (calls, line)
-    if llm.engine.runner.prefill_kernel is not None and head_dim == 64:
-        assert ran == "C++"  # the kernels' own head_dim: a line saying SDPA here is wrong
+    if llm.engine.runner.prefill_kernel is not None:  # the kernels' sizes, and one not theirs
+        assert ran == ("SDPA" if head_dim == 96 else "C++")

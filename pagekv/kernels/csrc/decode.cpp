@@ -555,22 +555,23 @@ static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* table
 // start: the first position each row attends (0: all of it); lse: null, or float32
 // [rows, num_heads] for each head's log-sum-exp over those positions; query_lens: null (one
 // query token per sequence) or int32 [num_seqs], the rows of q per sequence.
-#define ENTRY(NAME, KV, D)                                                                   \
-    extern "C" void NAME(const void* q, const void* kc, const void* vc,                      \
-                         const int32_t* tables, const int32_t* seq_lens,                     \
-                         const int32_t* query_lens, float* out, int num_seqs,                \
-                         int table_stride, int num_heads, int kv_heads, int block_size,      \
-                         int max_seq_len, int max_query_len, float scale, int num_threads,   \
-                         int start, float* lse) {                                            \
-        decode<KV, D>((const KV*)q, (const KV*)kc, (const KV*)vc, tables, seq_lens,          \
-                      query_lens, out, num_seqs, table_stride, num_heads, kv_heads,          \
-                      block_size, max_seq_len, max_query_len, scale, num_threads, start,     \
-                      lse);                                                                  \
+#define ENTRY(NAME, KV)                                                                       \
+    extern "C" int NAME(const void* q, const void* kc, const void* vc, const int32_t* tables,  \
+                        const int32_t* seq_lens, const int32_t* query_lens, float* out,        \
+                        int num_seqs, int table_stride, int num_heads, int kv_heads,           \
+                        int block_size, int head_dim, int max_seq_len, int max_query_len,      \
+                        float scale, int num_threads, int start, float* lse) {                 \
+        return with_head_dim(head_dim, [&](auto d) {                                           \
+            decode<KV, decltype(d)::value>((const KV*)q, (const KV*)kc, (const KV*)vc, tables, \
+                                           seq_lens, query_lens, out, num_seqs, table_stride,  \
+                                           num_heads, kv_heads, block_size, max_seq_len,       \
+                                           max_query_len, scale, num_threads, start, lse);     \
+        });                                                                                    \
     }
-ENTRY(decode_f32_d64, float, 64)
-ENTRY(decode_bf16_d64, uint16_t, 64)
-ENTRY(decode_f32_d128, float, 128)
-ENTRY(decode_bf16_d128, uint16_t, 128)
+ENTRY(decode_f32, float)
+ENTRY(decode_bf16, uint16_t)
+
+extern "C" int decode_head_dim(int head_dim) { return takes_head_dim(head_dim); }
 
 // A decode step's attention as a layer stack calls it, layer after layer (fused_ops.cpp's
 // decoder_stack_*), laid out as pagekv/kernels/decode.py's StepAttention builds it: one query
@@ -601,22 +602,22 @@ static void step_decode(const StepAttention& s, const void* q, const void* kc, c
 extern "C" int step_attention(const void* step, int layer, const void* q, const void* k,
                               const void* v, void* out) {
     const StepAttention& s = *(const StepAttention*)step;
-    if (s.head_dim != 64 && s.head_dim != 128) return -1;
+    if (!takes_head_dim(s.head_dim)) return -1;
     char* kc = (char*)s.caches[2 * layer];
     char* vc = (char*)s.caches[2 * layer + 1];
     if (write_rows((const char*)k, (const char*)v, kc, vc, s.slots, s.num_seqs, s.row_bytes,
                    s.num_slots) != 0)
         return -1;
     const long n = long(s.num_seqs) * s.num_heads * s.head_dim;
-    if (!s.bf16) {  // float32 caches: the kernel's output is already the activations' type
-        (s.head_dim == 64 ? step_decode<float, 64> : step_decode<float, 128>)(s, q, kc, vc,
-                                                                               (float*)out);
-        return 0;
-    }
+    if (!s.bf16)  // float32 caches: the kernel's output is already the activations' type
+        return with_head_dim(s.head_dim, [&](auto d) {
+            step_decode<float, decltype(d)::value>(s, q, kc, vc, (float*)out);
+        });
     static thread_local std::vector<float> wide;
     if (long(wide.size()) < n) wide.resize(n);
-    (s.head_dim == 64 ? step_decode<uint16_t, 64> : step_decode<uint16_t, 128>)(s, q, kc, vc,
-                                                                                 wide.data());
+    with_head_dim(s.head_dim, [&](auto d) {
+        step_decode<uint16_t, decltype(d)::value>(s, q, kc, vc, wide.data());
+    });
     uint16_t* o = (uint16_t*)out;
     for (long i = 0; i < n; ++i) o[i] = f32_to_bf16(wide[i]);
     return 0;

@@ -7,30 +7,28 @@
 
 extern "C" {
 
+// The head sizes the attention kernels are built for: the decode kernel (decode.cpp) and the
+// float32-vector prefill kernel (prefill.cpp) on every target. Adding one here builds both for
+// it; Python asks decode_head_dim and prefill_head_dim.
+#define PAGEKV_HEAD_DIMS(X) X(64) X(128) X(256)
+
 // decode.cpp: paged decode attention; q, caches and out as the Python wrapper lays them out.
 // start: the first position each row attends (0: all of it); lse: null, or float32
 // [rows, num_heads] for each head's log-sum-exp over those positions; query_lens: null (one
-// query token per sequence) or int32 [num_seqs], the rows of q per sequence.
-void decode_f32_d64(const void* q, const void* kc, const void* vc, const int32_t* tables,
-                    const int32_t* seq_lens, const int32_t* query_lens, float* out, int num_seqs,
-                    int table_stride, int num_heads, int kv_heads, int block_size,
-                    int max_seq_len, int max_query_len, float scale, int num_threads, int start,
-                    float* lse);
-void decode_bf16_d64(const void* q, const void* kc, const void* vc, const int32_t* tables,
-                     const int32_t* seq_lens, const int32_t* query_lens, float* out,
-                     int num_seqs, int table_stride, int num_heads, int kv_heads, int block_size,
-                     int max_seq_len, int max_query_len, float scale, int num_threads, int start,
-                     float* lse);
-void decode_f32_d128(const void* q, const void* kc, const void* vc, const int32_t* tables,
-                     const int32_t* seq_lens, const int32_t* query_lens, float* out,
-                     int num_seqs, int table_stride, int num_heads, int kv_heads, int block_size,
-                     int max_seq_len, int max_query_len, float scale, int num_threads, int start,
-                     float* lse);
-void decode_bf16_d128(const void* q, const void* kc, const void* vc, const int32_t* tables,
-                      const int32_t* seq_lens, const int32_t* query_lens, float* out,
-                      int num_seqs, int table_stride, int num_heads, int kv_heads,
-                      int block_size, int max_seq_len, int max_query_len, float scale,
-                      int num_threads, int start, float* lse);
+// query token per sequence) or int32 [num_seqs], the rows of q per sequence. 0, or -1 (nothing
+// written) for a head size without a kernel.
+int decode_f32(const void* q, const void* kc, const void* vc, const int32_t* tables,
+               const int32_t* seq_lens, const int32_t* query_lens, float* out, int num_seqs,
+               int table_stride, int num_heads, int kv_heads, int block_size, int head_dim,
+               int max_seq_len, int max_query_len, float scale, int num_threads, int start,
+               float* lse);
+int decode_bf16(const void* q, const void* kc, const void* vc, const int32_t* tables,
+                const int32_t* seq_lens, const int32_t* query_lens, float* out, int num_seqs,
+                int table_stride, int num_heads, int kv_heads, int block_size, int head_dim,
+                int max_seq_len, int max_query_len, float scale, int num_threads, int start,
+                float* lse);
+// 1 if the decode kernel takes head_dim (one of PAGEKV_HEAD_DIMS), else 0.
+int decode_head_dim(int head_dim);
 // The first maximum of each bfloat16 row (a NaN counts as the maximum, as in torch).
 void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, long cols, int num_threads);
 // A step's new K/V rows into their cache slots; -1 (nothing written) for a slot out of range.
@@ -60,16 +58,19 @@ int decode_attention_bf16_d64(const void* q, const void* kc, const void* vc, voi
 // The unit multiplying tiles (2 AMX, 1 AVX512-BF16 vectors, 0 none); `request` 1 or 2
 // switches to it where it can, anything else only asks.
 int prefill_kernel_backend(int request);
-// Prefill chunks with float32 arithmetic on every target: float32 inputs, or bfloat16 ones
-// widened as they are packed (where the target has no bf16 tiles).
-int prefill_attention_f32_d64(const void* q, const void* kc, const void* vc, void* out,
-                              const int64_t* chunk_info, int num_chunks, const int32_t* tables,
-                              int num_heads, int kv_heads, int block_size, float scale,
-                              int threads);
-int prefill_attention_bf16_f32_d64(const void* q, const void* kc, const void* vc, void* out,
-                                   const int64_t* chunk_info, int num_chunks,
-                                   const int32_t* tables, int num_heads, int kv_heads,
-                                   int block_size, float scale, int threads);
+// Prefill chunks with float32 arithmetic on every target and every head size of
+// PAGEKV_HEAD_DIMS (-1 for another): float32 inputs, or bfloat16 ones widened as they are
+// packed (where the target has no bf16 tiles, or the tiles not this head size).
+// 1 if prefill_attention_f32 and _bf16_f32 take head_dim (one of PAGEKV_HEAD_DIMS), else 0.
+int prefill_head_dim(int head_dim);
+int prefill_attention_f32(const void* q, const void* kc, const void* vc, void* out,
+                          const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                          int num_heads, int kv_heads, int block_size, int head_dim,
+                          float scale, int threads);
+int prefill_attention_bf16_f32(const void* q, const void* kc, const void* vc, void* out,
+                               const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                               int num_heads, int kv_heads, int block_size, int head_dim,
+                               float scale, int threads);
 
 // fused_ops.cpp: the layer ops, float32 (_f32) and bfloat16 (_bf16).
 void add_rms_norm_f32(const void* x, void* residual, const void* w, void* out, long rows, long n,

@@ -550,15 +550,16 @@ extern "C" int decode_attention_bf16_d64(const void*, const void*, const void*, 
 // the pace; in_register stops the compiler from folding a vector's load into every FMA that
 // reads it (a load per FMA again).
 namespace f32 {
-static const int D = 64;
+// Every function is a template on the head size D (one of PAGEKV_HEAD_DIMS, each a multiple of
+// PANEL).
 static const int KB = VF::W;                        // keys per packed block
 static const int SCORE_ROWS = VF::REGS >= 32 ? 8 : 6;  // scores: query rows x key blocks of
 static const int SCORE_BLOCKS = VF::REGS >= 32 ? 3 : 2;  // sums in registers at a time
-static const int PV_COLS = VF::REGS >= 32 ? D / VF::W : 2;  // P.V: output vectors per pass
-static const int PV_ROWS = 6;                                // P.V: rows per pass
-static const int PANEL = PV_COLS * VF::W;                    // P.V: dims per pass
+static const int PV_COLS = VF::REGS >= 32 ? 64 / VF::W : 2;  // P.V: output vectors per pass
+static const int PV_ROWS = 6;                                 // P.V: rows per pass
+static const int PANEL = PV_COLS * VF::W;                     // P.V: dims per pass
 
-template <typename T>
+template <int D, typename T>
 static void pack_kv(const T* kc, const T* vc, const int32_t* table, int seq_len, int padded,
                     int block_size, long token_stride, int h, float* kt, float* vp) {
     for (int t = 0; t < padded; ++t) {
@@ -582,13 +583,13 @@ static void pack_kv(const T* kc, const T* vc, const int32_t* table, int seq_len,
 // Scores of query rows [0, N) of qbuf against key blocks [0, B) of kt (KB keys each), N x B
 // vectors of sums in registers, stored at `scores` (rows `width` apart); each score one chain
 // of FMAs over the dims. `rows` and `blocks` beyond N and B take N and B; below, the first.
-template <int N, int B>
+template <int D, int N, int B>
 static inline void score_tile(int rows, int blocks, const float (*qbuf)[D], const float* kt,
                               float* scores, int width) {
     if constexpr (N > 1)
-        if (rows < N) return score_tile<N - 1, B>(rows, blocks, qbuf, kt, scores, width);
+        if (rows < N) return score_tile<D, N - 1, B>(rows, blocks, qbuf, kt, scores, width);
     if constexpr (B > 1)
-        if (blocks < B) return score_tile<N, B - 1>(rows, blocks, qbuf, kt, scores, width);
+        if (blocks < B) return score_tile<D, N, B - 1>(rows, blocks, qbuf, kt, scores, width);
     VF s[N][B];
     for (int m = 0; m < N; ++m)
         for (int b = 0; b < B; ++b) s[m][b] = VF::zero();
@@ -612,12 +613,12 @@ static inline void score_tile(int rows, int blocks, const float (*qbuf)[D], cons
 // (C vectors) of each row at a time. The row count is a template argument so that the sums
 // stay in registers (`count` below N: the first count rows). Each output is one chain of FMAs,
 // keys ascending.
-template <int N, typename T>
+template <int D, int N, typename T>
 static inline void pv_rows(int count, const float* p, int width, int reach, const float* vp,
                            long panel_floats, const float* sums, T* out, long row_stride) {
     if constexpr (N > 1)
         if (count < N)
-            return pv_rows<N - 1>(count, p, width, reach, vp, panel_floats, sums, out,
+            return pv_rows<D, N - 1>(count, p, width, reach, vp, panel_floats, sums, out,
                                   row_stride);
     constexpr int C = PV_COLS;
     for (int c0 = 0; c0 < D / VF::W; c0 += C) {
@@ -646,7 +647,7 @@ static inline void pv_rows(int count, const float* p, int width, int reach, cons
 
 // Up to 16 query rows of one head (at q, row_stride apart): row r sees keys
 // [0, first_visible + r). Writes their outputs. `scores`: 16 x width floats of scratch.
-template <typename T>
+template <int D, typename T>
 static void attend_block(const T* q, T* out, long row_stride, int rows, int first_visible,
                          const float* kt, const float* vp, int padded, float scale,
                          float* scores, int width) {
@@ -660,7 +661,7 @@ static void attend_block(const T* q, T* out, long row_stride, int rows, int firs
     for (int kb = 0; kb < blocks; kb += SCORE_BLOCKS)
         for (int pass = 0; pass < passes; ++pass) {
             const int m0 = rows * pass / passes, m1 = rows * (pass + 1) / passes;
-            score_tile<SCORE_ROWS, SCORE_BLOCKS>(m1 - m0, blocks - kb, qbuf + m0,
+            score_tile<D, SCORE_ROWS, SCORE_BLOCKS>(m1 - m0, blocks - kb, qbuf + m0,
                                                  kt + long(kb) * KB * D,
                                                  scores + long(m0) * width + kb * KB, width);
         }
@@ -674,18 +675,17 @@ static void attend_block(const T* q, T* out, long row_stride, int rows, int firs
     for (int pass = 0; pass < pv_passes; ++pass) {
         const int m0 = rows * pass / pv_passes, m1 = rows * (pass + 1) / pv_passes;
         const int reach = first_visible + m1 - 1;  // keys any of these rows sees
-        pv_rows<PV_ROWS>(m1 - m0, scores + long(m0) * width, width, reach, vp,
+        pv_rows<D, PV_ROWS>(m1 - m0, scores + long(m0) * width, width, reach, vp,
                          long(padded) * PANEL, sums + m0, out + m0 * row_stride, row_stride);
     }
 }
 
 static thread_local std::vector<float> packed;  // the caller's: K/V of every (chunk, kv head)
 
-template <typename T>
-static int prefill(const T* qs, const T* kc, const T* vc, T* os, const Chunk* chunks,
+template <int D, typename T>
+static void prefill(const T* qs, const T* kc, const T* vc, T* os, const Chunk* chunks,
                    int num_chunks, const int32_t* tables, int num_heads, int kv_heads,
                    int block_size, float scale, int threads) {
-    if (num_heads % kv_heads != 0) return -1;
     const long token_stride = long(kv_heads) * D, row_stride = long(num_heads) * D;
     const PrefillWork work(chunks, num_chunks, num_heads, kv_heads, 16, D);
     if (long(packed.size()) < work.packed_size()) packed.resize(work.packed_size());
@@ -696,7 +696,7 @@ static int prefill(const T* qs, const T* kc, const T* vc, T* os, const Chunk* ch
         for (long task = 0; task < long(num_chunks) * kv_heads; ++task) {
             const int c = int(task / kv_heads), h = int(task % kv_heads);
             float* kt = tiles + work.pack_at(c, h);
-            pack_kv(kc, vc, tables + chunks[c].table_offset, int(chunks[c].seq_len),
+            pack_kv<D>(kc, vc, tables + chunks[c].table_offset, int(chunks[c].seq_len),
                     work.padded(c), block_size, token_stride, h, kt,
                     kt + long(work.padded(c)) * D);
         }
@@ -707,28 +707,40 @@ static int prefill(const T* qs, const T* kc, const T* vc, T* os, const Chunk* ch
             const float* kt = tiles + it.pack;
             const long at = it.first_row * row_stride + it.head * D;
             const int padded = work.padded(it.chunk);
-            attend_block(qs + at, os + at, row_stride, it.rows, it.first_visible, kt,
+            attend_block<D>(qs + at, os + at, row_stride, it.rows, it.first_visible, kt,
                          kt + long(padded) * D, padded, scale, scores.data(), work.width);
         }
     }
-    return 0;
+}
+
+template <typename T>
+static int prefill_any(const void* q, const void* kc, const void* vc, void* out,
+                       const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                       int num_heads, int kv_heads, int block_size, int head_dim, float scale,
+                       int threads) {
+    if (num_heads % kv_heads != 0) return -1;
+    return with_head_dim(head_dim, [&](auto d) {
+        prefill<decltype(d)::value>((const T*)q, (const T*)kc, (const T*)vc, (T*)out,
+                                    (const Chunk*)chunk_info, num_chunks, tables, num_heads,
+                                    kv_heads, block_size, scale, threads);
+    });
 }
 }  // namespace f32
 
-int prefill_attention_f32_d64(const void* q, const void* kc, const void* vc, void* out,
-                              const int64_t* chunk_info, int num_chunks, const int32_t* tables,
-                              int num_heads, int kv_heads, int block_size, float scale,
-                              int threads) {
-    return f32::prefill((const float*)q, (const float*)kc, (const float*)vc, (float*)out,
-                        (const Chunk*)chunk_info, num_chunks, tables, num_heads, kv_heads,
-                        block_size, scale, threads);
+int prefill_head_dim(int head_dim) { return takes_head_dim(head_dim); }
+
+int prefill_attention_f32(const void* q, const void* kc, const void* vc, void* out,
+                          const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                          int num_heads, int kv_heads, int block_size, int head_dim,
+                          float scale, int threads) {
+    return f32::prefill_any<float>(q, kc, vc, out, chunk_info, num_chunks, tables, num_heads,
+                                   kv_heads, block_size, head_dim, scale, threads);
 }
 
-int prefill_attention_bf16_f32_d64(const void* q, const void* kc, const void* vc, void* out,
-                                   const int64_t* chunk_info, int num_chunks,
-                                   const int32_t* tables, int num_heads, int kv_heads,
-                                   int block_size, float scale, int threads) {
-    return f32::prefill((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc,
-                        (uint16_t*)out, (const Chunk*)chunk_info, num_chunks, tables, num_heads,
-                        kv_heads, block_size, scale, threads);
+int prefill_attention_bf16_f32(const void* q, const void* kc, const void* vc, void* out,
+                               const int64_t* chunk_info, int num_chunks, const int32_t* tables,
+                               int num_heads, int kv_heads, int block_size, int head_dim,
+                               float scale, int threads) {
+    return f32::prefill_any<uint16_t>(q, kc, vc, out, chunk_info, num_chunks, tables, num_heads,
+                                      kv_heads, block_size, head_dim, scale, threads);
 }
