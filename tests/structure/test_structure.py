@@ -12,6 +12,8 @@ import ast
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import pytest
+
 from tests.structure.test_layers import PACKAGE, REPO, find_imports, module_name
 
 LAYERS = ("core", "tiering", "kernels", "runner", "models", "engine", "server", "sim", "bench")
@@ -240,3 +242,20 @@ def test_the_field_checker_sees_assignments_subscripts_and_list_calls() -> None:
         "line 3: r.status",
         "line 4: r.tokens",
     ]
+
+
+def section_lines(markdown: str, heading: str) -> list[str]:
+    """The lines under ``## heading`` up to the next ``## `` heading."""
+    lines = markdown.splitlines()
+    start = lines.index(f"## {heading}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
+
+
+def test_readme_performance_is_a_summary() -> None:
+    """What runs, what to set and one dated table; the figures live in benchmarks/RESULTS.md."""
+    performance = section_lines((REPO / "README.md").read_text(), "Performance")
+    assert len(performance) <= 30, len(performance)
+    assert any("benchmarks/RESULTS.md" in line for line in performance)
+    with pytest.raises(ValueError):
+        section_lines("## Use\ntext\n", "Performance")
