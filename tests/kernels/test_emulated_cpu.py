@@ -45,13 +45,17 @@ def qemu() -> str:
     return require_binary("qemu-user", "qemu-x86_64")
 
 
+def untargeted_env() -> dict[str, str]:
+    """This process's environment without the kernel target the suite forces, if any."""
+    return {k: v for k, v in os.environ.items() if k not in (isa.ISA_ENV, TARGETS_ENV)}
+
+
 def emulated(qemu: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
     """This Python with ``args`` on the emulated CPU, from the repository root, choosing its
     kernel target as that CPU would, whatever target the suite forces (``PAGEKV_CPU_ISA=none``
     included). An illegal instruction kills the emulator: the shell before it allows no core
     file."""
-    env = {k: v for k, v in os.environ.items() if k not in (isa.ISA_ENV, TARGETS_ENV)}
-    env.update({"QEMU_CPU": EMULATED_CPU, AS_CPU_ENV: "avx2"})
+    env = {**untargeted_env(), "QEMU_CPU": EMULATED_CPU, AS_CPU_ENV: "avx2"}
     command = ["sh", "-c", 'ulimit -c 0 && exec "$@"', "sh", qemu, sys.executable, *args]
     return subprocess.run(
         command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
@@ -87,7 +91,7 @@ def outcome(stdout: str) -> dict[str, int]:
 def test_every_emulated_case_names_one_test() -> None:
     """The cases' parameters still name one test each (checked here, without the emulator)."""
     args = [sys.executable, "-m", "pytest", "-q", "--collect-only", *PLUGIN]
-    env = {k: v for k, v in os.environ.items() if k not in (isa.ISA_ENV, TARGETS_ENV)}
+    env = untargeted_env()
     run = subprocess.run(
         [*args, *emulated_cases.FILES], env=env, cwd=ROOT, capture_output=True, text=True
     )

@@ -185,7 +185,7 @@ def test_greedy_equals_transformers_on_every_kernel_target(
     head_dim = loaded.config.head_dim
     if head_dim in (64, 128, 256) and build.find_compiler() is not None:
         assert kernels["prefill_attention"] == kernels["decode_attention"] == "C++", kernels
-    calls = _count_attention_paths(monkeypatch)
+    calls = count_attention_paths(monkeypatch)
     stats = _assert_greedy_matches(loaded, family, repeat=2, block_size=16, num_kv_blocks=8)
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["preemptions_recompute"] > 0
@@ -195,7 +195,7 @@ def test_greedy_equals_transformers_on_every_kernel_target(
     assert bool(calls["decode torch"]) == (kernels["decode_attention"] == "torch"), calls
 
 
-def _count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+def count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Counts, from here on, the calls of the prefill kernel and of torch's attention paths
     (the decode kernel also runs inside C layer stacks, where Python does not see it)."""
     calls: Counter[str] = Counter()

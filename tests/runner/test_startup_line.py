@@ -4,29 +4,16 @@ prefilled once, with the prefill kernel and the SDPA fallback watched."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from pagekv import SamplingParams
-from pagekv.kernels.prefill import PrefillKernel
 from pagekv.models import load_model
-from pagekv.runner import fast_attention
 from tests.engine.test_engine_golden import make_llm
-from tests.models.test_families import _reference_model, _save
+from tests.models.test_families import _reference_model, _save, count_attention_paths
 
 pytest.importorskip("transformers")
-
-
-def _counted(calls: Counter[str], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls[name] += 1
-        return function(*args, **kwargs)
-
-    return counting
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 96])
@@ -47,17 +34,13 @@ def test_the_line_names_the_prefill_path_that_runs(
     line = llm.engine.system_line
     assert f"float32, head_dim {head_dim}:" in line, line
 
-    calls: Counter[str] = Counter()
-    monkeypatch.setattr(PrefillKernel, "__call__", _counted(calls, "C++", PrefillKernel.__call__))
-    for name in ("_prefill_chunk", "_prefill_group"):
-        monkeypatch.setattr(
-            fast_attention, name, _counted(calls, "SDPA", getattr(fast_attention, name))
-        )
+    calls = count_attention_paths(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(3, 40))}], params, use_tqdm=False)
 
-    assert len(calls) == 1, calls  # one path took every prefill of the step
-    (ran,) = calls
+    prefills = {path.removeprefix("prefill "): n for path, n in calls.items() if "prefill" in path}
+    assert len(prefills) == 1, calls  # one path took every prefill of the step
+    (ran,) = prefills
     assert f"prefill attention {ran}," in line, (calls, line)
     if llm.engine.runner.prefill_kernel is not None:  # the kernels' sizes, and one not theirs
         assert ran == ("SDPA" if head_dim == 96 else "C++")
