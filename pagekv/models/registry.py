@@ -49,17 +49,22 @@ class Architecture:
     ``load_weights`` takes Hugging Face tensor names (the class owns their mapping onto its
     parameters). ``gguf``: how GGUF files of it name their tensors (None: no GGUF files).
     ``gguf_rope_permuted``: llama.cpp's converter reordered each head's attn_q/attn_k rows for
-    interleaved-pair RoPE, to be undone at load. ``hf_attention_bias``: q/k/v have a bias
-    whatever config.json's ``attention_bias`` says. ``hf_config_fields(config.json, source)``:
-    the ``ModelConfig`` fields the architecture reads from config.json its own way, replacing
-    the common reading's (None: the common reading only).
+    interleaved-pair RoPE, to be undone at load. ``gguf_norm_shift``: the converter stored
+    every norm weight plus this (Gemma's norms scale by 1 + weight), taken off at load.
+    ``hf_attention_bias``: q/k/v have a bias whatever config.json's ``attention_bias`` says.
+    ``hf_config_fields(config.json, source)`` and ``gguf_config_fields(metadata, source)``: the
+    ``ModelConfig`` fields the architecture reads its own way from config.json or from a GGUF
+    file's metadata (keys without the architecture's prefix, "block_count"), replacing the
+    common reading's (None: the common reading only).
     """
 
     model_class: Callable[..., object]
     gguf: GGUFNames | None = None
     gguf_rope_permuted: bool = False
+    gguf_norm_shift: float = 0.0
     hf_attention_bias: bool = False
     hf_config_fields: Callable[[Mapping[str, object], str], Mapping[str, Any]] | None = None
+    gguf_config_fields: Callable[[Mapping[str, object], str], Mapping[str, Any]] | None = None
 
 
 # Architecture name -> (module, attribute) of its Architecture, in the order messages list them.
@@ -71,6 +76,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "phi3": ("pagekv.models.phi3", "PHI3"),
     "gemma2": ("pagekv.models.gemma", "GEMMA2"),
     "gemma3_text": ("pagekv.models.gemma", "GEMMA3"),
+    "gemma3": ("pagekv.models.gemma", "GEMMA3"),  # what GGUF files of Gemma 3 say
 }
 
 

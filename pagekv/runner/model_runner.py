@@ -9,15 +9,13 @@ One step::
     apply transfers   swap_out, swap_in, copies (copy-on-write before any write)
     build inputs      ids, positions, slots; decode rows first, then prefill chunks (batch.py)
     forward           each layer writes its new K/V by slot, reads history via block tables
-                      (fast path: fast_attention.py; the reference: attention.py)
+                      (the model's attention backend: attention_backends.py)
     sample            logits of the last position of each request that samples   [S, vocab]
                       (a drafted decode: of every position it fed, each checked greedily)
 """
 
 from __future__ import annotations
 
-import enum
-import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -27,17 +25,13 @@ import numpy as np
 import torch
 
 from pagekv.core.plan import Plan, ScheduledRequest
-from pagekv.kernels import decode as cpu_kernel
 from pagekv.kernels import fused_ops, isa, report
-from pagekv.kernels import prefill as prefill_kernel
-from pagekv.kernels.decode import CacheAddresses
-from pagekv.models.layer_ops import TORCH_OPS, NativeAttention
+from pagekv.models.layer_ops import TORCH_OPS
 from pagekv.models.llama import AttentionFn
 from pagekv.models.loader import LoadedModel
-from pagekv.runner import host_memory
-from pagekv.runner.attention import paged_attention_reference, write_kv
-from pagekv.runner.batch import StepInputs, prepare_step, reference_metadata
-from pagekv.runner.fast_attention import FastAttention
+from pagekv.runner import attention_backends, host_memory
+from pagekv.runner.attention_backends import AttentionBackend, AttentionSetup, CpuKernelBackend
+from pagekv.runner.batch import StepInputs, prepare_step
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.sampler import Sampler, SamplerOutput, SamplingRow
 
@@ -55,34 +49,12 @@ class SampledToken:
 
 
 PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (for A/B runs)
-STACK_ENV = "PAGEKV_LAYER_STACK"  # "0": decode steps layer by layer, never in one C call
 
 
 def quantized_kernels_available() -> bool:
     """Whether a fast runner here multiplies GGUF blocks with the C kernels (else they would
     be dequantized for every matmul)."""
     return fused_ops.load() is not None
-
-
-class _StepAttentionFn:
-    """A step's ``AttentionFn``, and (``native``) the same attention for C code to call, when
-    the decode kernel takes every layer of the step (``FastAttention.native``)."""
-
-    def __init__(self, attend: AttentionFn, native: NativeAttention | None) -> None:
-        self._attend = attend
-        self.native = native
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        return self._attend(layer, q, k, v)
-
-
-class AttentionBackend(enum.Enum):
-    FAST = "fast"  # decode kernel + prefill kernel (bf16) or SDPA per chunk (fast_attention)
-    REFERENCE = "reference"  # paged_attention_reference: the float32 correctness oracle
-    # kernels.triton_attention: the GPU runner's (on CPU tensors, in Triton's interpreter)
-    TRITON = "triton"
 
 
 class ModelRunner:
@@ -115,7 +87,7 @@ class ModelRunner:
         if attention is None:
             on_cpu = self.device.type == "cpu"
             attention = AttentionBackend.FAST if on_cpu else AttentionBackend.TRITON
-        if self.device.type != "cpu" and attention is not AttentionBackend.TRITON:
+        if self.device.type != "cpu" and attention is AttentionBackend.FAST:
             raise ValueError(f"the {attention.value} attention runs on the CPU only")
         self.model = loaded.model.to(self.device)
         self.dtype = next(loaded.model.parameters(), torch.empty(0, dtype=torch.float32)).dtype
@@ -131,43 +103,43 @@ class ModelRunner:
             if num_host_blocks > 0
             else None
         )
-        self.scale = cfg.attention_scale
-        # Per layer: the sliding window (None: all of the history), and the scores' soft cap.
-        self.windows, self.softcap = cfg.layer_windows, cfg.attn_logit_softcapping
-        self.attention = attention
-        self.kernel = cpu_kernel.load() if attention is AttentionBackend.FAST else None
-        self.prefill_kernel = prefill_kernel.load() if attention is AttentionBackend.FAST else None
+        self._attention_setup = AttentionSetup(
+            kv=self.kv,
+            block_size=block_size,
+            scale=cfg.attention_scale,
+            windows=cfg.layer_windows,
+            softcap=cfg.attn_logit_softcapping,
+            num_heads=cfg.num_attention_heads,
+        )
+        self.attention = attention  # builds the backend
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        self.kernels = self._kernels(attention)
+        self.kernels = self._kernels()
         self.system_line = report.line(self.kernels, self.dtype)
-        self._cache_addresses = self._stack_addresses(attention)  # None: no layer stack
 
-    def _stack_addresses(self, attention: AttentionBackend) -> CacheAddresses | None:
-        """The pool's addresses for C code that runs a decode step's layers and calls the
-        decode kernel itself; None where it may not (a layer windowed or capped, no kernel,
-        ``PAGEKV_LAYER_STACK=0``)."""
-        if not (
-            attention is AttentionBackend.FAST
-            and self.kernel is not None
-            and all(w is None for w in self.windows)
-            and self.softcap is None
-            and os.environ.get(STACK_ENV, "1") != "0"
-        ):
-            return None
-        return CacheAddresses.of(list(zip(self.kv.k, self.kv.v, strict=True)))
+    @property
+    def attention(self) -> AttentionBackend:
+        """Which attention backend runs the steps (``attention_backends``); setting it builds
+        that backend for this model."""
+        return self.backend.kind
 
-    def _kernels(self, attention: AttentionBackend) -> dict[str, str]:
+    @attention.setter
+    def attention(self, kind: AttentionBackend) -> None:
+        self.backend = attention_backends.build(kind, self._attention_setup, self.device)
+
+    def _kernels(self) -> dict[str, str]:
         """Which kernel runs each part of a step here (``kernels.report``)."""
         head_dim = self.kv.k[0].shape[-1]
         if self.on_gpu:
             gpu = report.describe_gpu(self.device, head_dim=head_dim)
             return {**gpu, **report.describe_weights(self.model)}
-        fast = attention is AttentionBackend.FAST
+        backend, target = self.backend, None
         ops = self.model.ops if isinstance(self.model.ops, fused_ops.FusedOps) else None
         first = self.model.packed_weight(0, "qkv_proj")
-        target = isa.selected() if fast else None
-        kernels = (self.kernel, self.prefill_kernel, ops)
+        decode, prefill = (None, None)
+        if isinstance(backend, CpuKernelBackend):
+            decode, prefill, target = backend.kernel, backend.prefill_kernel, isa.selected()
+        kernels = (decode, prefill, ops)
         info = report.describe(target, self.dtype, *kernels, first, head_dim=head_dim)
         return {**info, **report.describe_weights(self.model)}
 
@@ -265,55 +237,8 @@ class ModelRunner:
         return self.device.type == "cuda"
 
     def _attention_fn(self, inputs: StepInputs) -> AttentionFn:
-        """The per-layer attention: write this step's K/V into its slots, then attend. Layers
-        with a sliding window or soft-capped scores take the reference attention (the C
-        kernels attend to the whole history, uncapped), built once for the step."""
-        if self.attention is AttentionBackend.TRITON:
-            return self._triton_attention_fn(inputs)
-        kv, slots, windows, softcap = self.kv, inputs.slot_mapping, self.windows, self.softcap
-        reference_meta = functools.cache(lambda: reference_metadata(inputs, self.block_size))
-        fast = FastAttention(inputs.layout, self.scale, self.kernel, self.prefill_kernel)
-        kernel = self.kernel
-        native = None  # every layer through the decode kernel: C code may call it itself
-        if self._cache_addresses is not None:
-            num_tokens, heads = inputs.input_ids.shape[0], self.model.config.num_attention_heads
-            native = fast.native(self._cache_addresses, slots, num_tokens, heads)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            caches = (kv.k[layer], kv.v[layer])
-            if kernel is None or not kernel.write_kv(*caches, k, v, slots):
-                write_kv(*caches, k, v, slots)
-            window = windows[layer]
-            if self.attention is AttentionBackend.FAST and window is None and softcap is None:
-                return fast(q, k, v, caches)
-            return paged_attention_reference(
-                q, *caches, reference_meta(), self.scale, window=window, softcap=softcap
-            )
-
-        return _StepAttentionFn(attend, native)
-
-    def _triton_attention_fn(self, inputs: StepInputs) -> AttentionFn:
-        """The Triton kernels' attention: the step's metadata on the device once, then per
-        layer the slot write and the paged attention (windows and soft caps included)."""
-        from pagekv.kernels import triton_attention  # imports triton: only where it runs
-
-        meta = reference_metadata(inputs, self.block_size)
-        tables, seq_lens, starts = (
-            t.to(self.device, torch.int32)
-            for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)
-        )
-        slots, kv = meta.slot_mapping.to(self.device), self.kv
-        launch = triton_attention.Launch.for_step(meta.max_query_len, meta.max_seq_len)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            caches = (kv.k[layer], kv.v[layer])
-            triton_attention.write_kv(*caches, k, v, slots)
-            return triton_attention.paged_attention(
-                q, *caches, tables, seq_lens, starts, meta.max_query_len, self.scale,
-                window=self.windows[layer], softcap=self.softcap, launch=launch,
-            )  # fmt: skip
-
-        return attend
+        """The step's per-layer attention, from the model's backend."""
+        return self.backend.step(inputs)
 
     def _row(
         self, entry: ScheduledRequest, ahead: int = 0, allowed: np.ndarray | None = None

@@ -22,6 +22,7 @@ from pagekv.engine import LLMEngine
 from pagekv.engine.config import EngineConfig
 from pagekv.kernels import fused_ops, isa
 from pagekv.kernels.decode import DecodeBatch
+from pagekv.runner.attention_backends import CpuKernelBackend
 from pagekv.runner.fast_attention import FastAttention
 
 pytestmark = pytest.mark.model
@@ -126,14 +127,16 @@ def test_a_slot_outside_the_pool_is_an_error_with_nothing_written(
     engine = LLMEngine(EngineConfig(model=gguf_path, dtype="bfloat16", num_kv_blocks=8))
     runner, model = engine.runner, engine.runner.model
     cfg = model.config
-    addresses = runner._cache_addresses
-    assert addresses is not None and runner.kernel is not None
+    backend = runner.backend
+    assert isinstance(backend, CpuKernelBackend)
+    addresses, kernel = backend.cache_addresses, backend.kernel
+    assert addresses is not None and kernel is not None
     num_slots = runner.kv.k[0].shape[0] * runner.kv.k[0].shape[1]
     batch = DecodeBatch(
         torch.zeros((1, 1), dtype=torch.int32), torch.ones(1, dtype=torch.int32), max_seq_len=1
     )
     bad = torch.tensor([num_slots], dtype=torch.int64)
-    native = runner.kernel.step_attention(
+    native = kernel.step_attention(
         addresses, bad, batch, cfg.num_attention_heads, cfg.attention_scale
     )
     assert native is not None

@@ -37,7 +37,8 @@ SHAPES = {
     "max_position_embeddings": 64,
 }
 # every registered architecture, in the registry's order (the order messages list them)
-SUPPORTED = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "qwen2", "mistral", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
+GGUF_SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
 
 
 class ToyForCausalLM(LlamaForCausalLM):
@@ -106,7 +107,7 @@ def test_every_registered_name_is_an_architecture_of_a_llama_class() -> None:
         arch = registry.architecture(name, "test")
         assert isinstance(arch, Architecture)
         assert isinstance(arch.model_class, type) and issubclass(arch.model_class, LlamaForCausalLM)
-    assert registry.gguf_architecture_names() == ("llama", "qwen2", "qwen3", "phi3")
+    assert registry.gguf_architecture_names() == GGUF_SUPPORTED
     assert registry.architecture("llama", "t").gguf_rope_permuted
     assert registry.architecture("qwen2", "t").hf_attention_bias
 
@@ -128,8 +129,7 @@ def test_a_gguf_file_of_an_unknown_architecture_is_refused(tmp_path: Path) -> No
         with pytest.raises(ModelLoadError) as info:
             load_model(str(path))
         assert str(info.value) == (
-            f"{path}: unsupported GGUF architecture {name!r}; "
-            "supported: ('llama', 'qwen2', 'qwen3', 'phi3')"
+            f"{path}: unsupported GGUF architecture {name!r}; supported: {GGUF_SUPPORTED}"
         )
 
 

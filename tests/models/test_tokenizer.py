@@ -183,7 +183,7 @@ def test_gguf_tokenizer_adds_bos_only_when_metadata_says_so() -> None:
 @pytest.mark.parametrize(
     ("extra", "problem"),
     [
-        ({"tokenizer.ggml.model": "llama"}, "not supported"),
+        ({"tokenizer.ggml.model": "bert"}, "not supported"),
         ({"tokenizer.ggml.pre": "mystery"}, "pre-tokenizer 'mystery'"),
         ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens"),
     ],
