@@ -193,10 +193,13 @@ def _write_gguf(
     arch: str,
     names: GGUFNames = GGUF_NAMES,
     rope_permuted: bool = False,
+    norm_shift: float = 0.0,
+    metadata: dict[str, float] | None = None,
 ) -> Path:
     """The model's tensors under ``names`` (those it has), float32, with a byte-level BPE
     tokenizer of 259 tokens; with ``rope_permuted``, q and k rows interleaved per rotary pair as
-    llama.cpp writes a Llama's."""
+    llama.cpp writes a Llama's; norm weights plus ``norm_shift`` (Gemma's); ``metadata``: more
+    keys after the architecture's prefix (uint32 for an int, else float32)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
@@ -208,6 +211,9 @@ def _write_gguf(
     writer.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    for key, value in (metadata or {}).items():
+        add = writer.add_uint32 if isinstance(value, int) else writer.add_float32
+        add(f"{arch}.{key}", value)
     writer.add_string("tokenizer.ggml.model", "gpt2")
     writer.add_string("tokenizer.ggml.pre", "smollm")
     writer.add_array("tokenizer.ggml.tokens", [*byte_alphabet().values(), "ab", "<s>", "</s>"])
@@ -223,6 +229,8 @@ def _write_gguf(
         if rope_permuted and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             tensor = _permute_rope_rows(tensor, heads)
+        if gguf_name.endswith("norm.weight"):
+            tensor = tensor + np.float32(norm_shift)
         writer.add_tensor(gguf_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -236,3 +244,70 @@ def _gguf_tensor_names(cfg: ModelConfig, names: GGUFNames) -> list[str]:
     for i in range(cfg.num_hidden_layers):
         found += [f"blk.{i}.{suffix}" for suffix in names.layer]
     return found
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_file_loads_the_same_model(arch: str, tmp_path: Path) -> None:
+    """llama.cpp's spelling of a Gemma: its norms stored plus one, its layer pattern, local RoPE
+    base and attention scale left to the model (Gemma 2: every other layer slides, scores and
+    logits soft-capped as the file says; Gemma 3: five sliding layers to one global)."""
+    window, layers, head_dim = 8, 6, 16
+    sliding = "sliding_attention"
+    if arch == "gemma2":
+        types = tuple(sliding if i % 2 == 0 else "full_attention" for i in range(layers))
+        extra: dict[str, Any] = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    else:
+        types = tuple(sliding if i % 6 < 5 else "full_attention" for i in range(layers))
+        extra = {"rope_local_theta": 10000.0, "rope_theta": 1_000_000.0}
+    config = _config(
+        arch,
+        num_hidden_layers=layers,
+        head_dim=head_dim,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        sliding_window=window,
+        layer_types=types,
+        query_pre_attn_scalar=float(head_dim),
+        **extra,
+    )
+    source = registry.architecture(arch, "test").model_class(config, torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            param.normal_(0, 0.2)
+            if "norm" in name:  # exact through the file's + 1 and the loader's - 1
+                param.copy_((param * 1024).round() / 1024)
+    caps = {k: v for k, v in extra.items() if k.endswith("softcapping")}
+    path = _write_gguf(
+        tmp_path / f"{arch}.gguf",
+        source,
+        arch,
+        registry.architecture(arch, "test").gguf,
+        norm_shift=1.0,
+        metadata={"attention.sliding_window": window, **caps},
+    )
+    loaded = load_model(str(path))
+    assert loaded.config == config
+    ids = [3, 200, 17, 99, 5, 41, 8, 250, 13, 77, 2, 160]  # longer than the window
+    windows = config.layer_windows
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * config.attention_scale
+        if config.attn_logit_softcapping is not None:
+            cap = config.attn_logit_softcapping
+            scores = torch.tanh(scores / cap) * cap
+        pos = torch.arange(len(ids))
+        seen = pos[None, :] <= pos[:, None]
+        if windows[layer] is not None:
+            seen &= pos[None, :] > pos[:, None] - windows[layer]
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", probs, v)
+
+    def logits(model: LlamaForCausalLM) -> torch.Tensor:
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)), attention)
+            return model.compute_logits(hidden)
+
+    torch.testing.assert_close(logits(loaded.model), logits(source), atol=0, rtol=0)
