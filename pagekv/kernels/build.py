@@ -1,13 +1,16 @@
 """Build the C++ kernel libraries (``csrc/``) for a target, cache them, load them with ctypes.
 
-A library is one ``csrc/<name>.cpp`` (with the headers beside it) built for one target of
-``isa.TARGETS`` at first use, into ``~/.cache/pagekv/kernels`` under a hash of every source
-file, the flags and the compiler, so an edit or a new compiler rebuilds and nothing else does.
-The compiler reads the files where they are, so its warnings and errors name real files and
-lines. Why ctypes and not ``torch.utils.cpp_extension``: no torch headers or pybind11, so a
-build takes seconds instead of a minute.
+A library is one ``csrc/<name>.cpp`` (with the headers beside it and under ``csrc/arch/``)
+built for one target of ``isa.TARGETS`` at first use, into ``~/.cache/pagekv/kernels`` under a
+hash of every source file, the flags and the compiler, so an edit or a new compiler rebuilds
+and nothing else does. A target's flags name its header, ``csrc/arch/<target>.h``, which holds
+its instruction-set bodies (``-DPAGEKV_ARCH``; ``csrc/arch/target.h``). The compiler reads the
+files where they are, so its warnings and errors name real files and lines. Why ctypes and not
+``torch.utils.cpp_extension``: no torch headers or pybind11, so a build takes seconds instead
+of a minute.
 
-The ctypes signatures come from ``csrc/kernels.h``, the one place each entry point is declared.
+The ctypes signatures come from ``csrc/kernels.h``, the one place each entry point is declared;
+so do the fields of the structs that cross by address (``structs``, mirrored in ``abi``).
 
 Imports nothing of pagekv but ``isa`` (and its errors), and no torch.
 """
@@ -61,7 +64,13 @@ def find_compiler() -> str | None:
 
 
 def flags_for(target: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    return (*BASE_FLAGS, *isa.BY_NAME[target].flags, *extra)
+    header = f'-DPAGEKV_ARCH="{arch_header(target).relative_to(CSRC).as_posix()}"'
+    return (*BASE_FLAGS, *isa.BY_NAME[target].flags, header, *extra)
+
+
+def arch_header(target: str) -> Path:
+    """The header with ``target``'s instruction-set bodies: ``csrc/arch/<target>.h``."""
+    return CSRC / "arch" / f"{isa.BY_NAME[target].name}.h"
 
 
 # What happened to each (library, target) this process asked for: "ok" or the reason it failed.
@@ -196,8 +205,51 @@ def signatures() -> dict[str, tuple[type | None, list[type]]]:
     return found
 
 
+# The types a struct's field may have besides these scalars: a pointer (an address) or a struct
+# declared before it.
+_FIELD_SCALARS: dict[str, type] = {
+    "int": ctypes.c_int,
+    "long": ctypes.c_long,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+    "int32_t": ctypes.c_int32,
+    "int64_t": ctypes.c_int64,
+}
+_STRUCT = re.compile(r"struct\s+(\w+)\s*\{([^}]*)\}\s*;")
+_FIELDS = re.compile(r"^(?:const\s+)?(\w+)\s*(\*?)\s*(\w+(?:\s*,\s*\w+)*)$")
+
+
+@functools.cache
+def structs() -> dict[str, list[tuple[str, type | str]]]:
+    """Each struct declared in kernels.h: its fields in order, each (name, type): a ctypes
+    scalar, ``ctypes.c_void_p`` for a pointer, or the name of a struct declared before it."""
+    text = re.sub(r"//[^\n]*", "", HEADER.read_text(encoding="utf-8"))
+    found: dict[str, list[tuple[str, type | str]]] = {}
+    for name, body in _STRUCT.findall(text):
+        fields: list[tuple[str, type | str]] = []
+        for declaration in filter(None, (d.strip() for d in body.split(";"))):
+            match = _FIELDS.match(" ".join(declaration.split()))
+            if match is None:
+                raise ValueError(f"kernels.h: struct {name}: unsupported field {declaration!r}")
+            base, pointer, names = match.groups()
+            kind: type | str | None = (
+                ctypes.c_void_p
+                if pointer
+                else _FIELD_SCALARS.get(base, base if base in found else None)
+            )
+            if kind is None:
+                raise ValueError(f"kernels.h: struct {name}: unknown type {base!r}")
+            fields += [(field.strip(), kind) for field in names.split(",")]
+        if name in found:
+            raise ValueError(f"kernels.h: struct {name} declared twice")
+        found[name] = fields
+    return found
+
+
 def _sources_text() -> list[str]:
-    return [p.read_text(encoding="utf-8") for p in sorted(CSRC.iterdir()) if p.is_file()]
+    """Every source under csrc/, named and read, in one order."""
+    files = sorted(p for p in CSRC.rglob("*") if p.is_file())
+    return [f"{p.relative_to(CSRC).as_posix()}\n{p.read_text(encoding='utf-8')}" for p in files]
 
 
 @functools.cache

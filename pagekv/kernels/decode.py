@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagekv.kernels import build
+from pagekv.kernels import abi, build
 from pagekv.models.layer_ops import NativeAttention
 
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
@@ -89,29 +89,6 @@ class DecodeBatch:
         offsets = torch.arange(self.num_queries) - starts.repeat_interleave(lens)  # [Q]
         seq_lens = (ends + offsets + 1).to(torch.int32)
         return DecodeBatch(tables, seq_lens, self.max_seq_len, 0, None, self.num_queries)
-
-
-class _StepAttention(ctypes.Structure):
-    """decode.cpp's StepAttention, field by field."""
-
-    _fields_ = [
-        ("caches", ctypes.c_void_p),
-        ("slots", ctypes.c_void_p),
-        ("tables", ctypes.c_void_p),
-        ("seq_lens", ctypes.c_void_p),
-        ("num_slots", ctypes.c_int64),
-        ("row_bytes", ctypes.c_int64),
-        ("num_seqs", ctypes.c_int32),
-        ("table_stride", ctypes.c_int32),
-        ("num_heads", ctypes.c_int32),
-        ("kv_heads", ctypes.c_int32),
-        ("block_size", ctypes.c_int32),
-        ("max_seq_len", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("bf16", ctypes.c_int32),
-        ("threads", ctypes.c_int32),
-        ("scale", ctypes.c_float),
-    ]
 
 
 @dataclass(frozen=True)
@@ -219,7 +196,7 @@ class DecodeKernel:
             and num_heads % num_kv_heads == 0
         ):
             return None
-        step = _StepAttention(
+        step = abi.StepAttention(
             caches.table.data_ptr(),
             slot_mapping.data_ptr(),
             tables.data_ptr(),

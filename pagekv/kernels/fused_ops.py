@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from pagekv.kernels import build
+from pagekv.kernels import abi, build
 from pagekv.kernels.dense import SUFFIXES, DenseKernels, by_dtype
 from pagekv.kernels.layer_stack import Stack
 from pagekv.kernels.quant import PackedQuant, QuantKernels
@@ -198,7 +198,7 @@ class FusedOps(RowOps):
             if kind == "quant":
                 call = self._quant_attention_inputs[residual.dtype]
                 status = call(
-                    *inputs, eps, *_quant(qkv.packed), *tables, *outputs, *shape, threads()
+                    *inputs, eps, _quant(qkv.packed), *tables, *outputs, *shape, threads()
                 )
             else:
                 weights = (_packed(qkv.packed),)
@@ -242,11 +242,11 @@ class FusedOps(RowOps):
             if kind == "quant":
                 status = self._quant_mlp_block[residual.dtype](
                     *head,
-                    *_quant(o_proj.packed),
+                    _quant(o_proj.packed),
                     norm.data_ptr(),
                     eps,
-                    *_quant(gate_up.packed),
-                    *_quant(down.packed),
+                    _quant(gate_up.packed),
+                    _quant(down.packed),
                     *shape,
                     threads(),
                 )
@@ -281,11 +281,13 @@ class FusedOps(RowOps):
             and lin.bias is None
             for lin in linears
         ):
-            matmuls = [_quant(lin.packed) for lin in linears]
+            matmuls = [abi.StackMatmul(quant=_quant(lin.packed)) for lin in linears]
             function, rows, unit = self._quant_stack[dtype], ONE_CALL_MAX_ROWS, None
         elif self._fits_dense(final_norm, tuple(linears)):
             unit = self.dense.unit if dtype == torch.bfloat16 else None  # float32: no tiles
-            matmuls = [(_packed(lin.packed) or 0, unit or 0) for lin in linears]
+            matmuls = [
+                abi.StackMatmul(packed=_packed(lin.packed), unit=unit or 0) for lin in linears
+            ]
             function, rows = self._dense_stack[dtype], self._dense_rows(dtype)
         else:
             return None
@@ -348,10 +350,10 @@ class FusedOps(RowOps):
         return True
 
 
-def _quant(packed: layer_ops.Packed) -> tuple[int, int]:
-    """The addresses of quantized stripes' runs and data, as the C layer halves take them."""
+def _quant(packed: layer_ops.Packed) -> int:
+    """The address of quantized stripes' QuantWeight, as the C layer halves take it."""
     assert isinstance(packed, PackedQuant)
-    return packed.addresses
+    return packed.address
 
 
 def _packed(packed: layer_ops.Packed) -> int | None:

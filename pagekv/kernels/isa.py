@@ -1,10 +1,11 @@
 """Kernel targets: the instruction sets a library is built for, and which one runs here.
 
-Every kernel library is built once per target from the same sources (``csrc/``); the
-``#if defined(__AVX512F__)``-style branches and the vector layer (``csrc/vec.h``) pick each
-target's bodies. At run time the best target this CPU can execute is chosen, or the one
-``$PAGEKV_CPU_ISA`` names (``none``: no C kernels, torch ops everywhere), so a machine with more
-can measure the lesser ones.
+Every kernel library is built once per target from the same sources (``csrc/``); each target's
+instruction-set bodies are one header, ``csrc/arch/<target>.h``, which its build names and the
+vector layer (``csrc/vec.h``) includes. Adding a target is that header and its entry in
+``TARGETS`` (``csrc/arch/target.h`` lists what the header defines). At run time the best target
+this CPU can execute is chosen, or the one ``$PAGEKV_CPU_ISA`` names (``none``: no C kernels,
+torch ops everywhere), so a machine with more can measure the lesser ones.
 
 Imports nothing of pagekv but its errors, and no torch.
 """
@@ -51,7 +52,8 @@ _AVX512 = (*_AVX2, "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd")
 _BF16 = ("avx512_bf16", "avx512_vnni", "avx512vbmi")
 _BF16_FLAGS = ("-mavx512bf16", "-mavx512vnni", "-mavx512vbmi")
 
-# Lesser to greater; each needs what the ones before it need (but generic).
+# Lesser to greater; each needs what the ones before it need (but generic). Each is built with
+# its header, csrc/arch/<name>.h.
 TARGETS: tuple[Target, ...] = (
     Target("generic", (), (), x86_only=False),  # the compiler's default instruction set
     Target("avx2", ("-march=x86-64-v3", *_TUNE), _AVX2),

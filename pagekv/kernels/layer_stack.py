@@ -1,5 +1,6 @@
 """A decode step's layers prepared for one C call (``csrc/fused_ops.cpp``'s ``decoder_stack_*``):
-the table of every layer's norm and matmul addresses, the shapes it was made for, and the call.
+the table of every layer's norm and matmul addresses (kernels.h's ``StackLayer``, one per
+layer), the shapes it was made for, and the call.
 
 Owns nothing but that table; which layers qualify and with which matmuls is ``FusedOps``'
 choice (``FusedOps.prepare_stack``), the attention the stack calls is the runner's
@@ -8,17 +9,15 @@ choice (``FusedOps.prepare_stack``), the attention the stack calls is the runner
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from pagekv.kernels import abi
 from pagekv.models import layer_ops
-
-# Per layer: input norm, qkv (2), post-attention norm, o (2), gate_up (2), down (2); each
-# matmul's two longs are its quantized runs and stripes, or its bf16 tiles and the tile unit.
-UNIT_COLUMNS = [2, 5, 7, 9]
 
 
 @dataclass
@@ -26,7 +25,7 @@ class Stack:
     """A model's layers as ``decoder_stack_*`` reads them."""
 
     function: Any  # the ctypes function
-    table: torch.Tensor  # int64 [layers, 10]
+    table: ctypes.Array[abi.StackLayer]
     final_norm: torch.Tensor
     hidden: int
     width: int  # of the fused qkv projection
@@ -39,7 +38,7 @@ class Stack:
     def build(
         function: Any,
         layers: Sequence[layer_ops.StackLayer],
-        matmuls: Sequence[tuple[int, int]],  # the two longs of each layer's 4 matmuls
+        matmuls: Sequence[abi.StackMatmul],  # each layer's 4: qkv, o, gate_up, down
         final_norm: torch.Tensor,
         max_rows: int,
         unit: int | None,
@@ -61,10 +60,10 @@ class Stack:
         rows = []
         for i, layer in enumerate(layers):
             qkv, o_proj, gate_up, down = matmuls[4 * i : 4 * i + 4]
-            at = (layer.input_norm.data_ptr(), layer.post_norm.data_ptr())
-            rows.append([at[0], *qkv, at[1], *o_proj, *gate_up, *down])
+            input_norm, post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            rows.append(abi.StackLayer(input_norm, qkv, post_norm, o_proj, gate_up, down))
         (width, hidden), (_, q_size), _, (_, inter) = shapes
-        table = torch.tensor(rows, dtype=torch.int64)
+        table = (abi.StackLayer * len(rows))(*rows)
         return Stack(function, table, final_norm, hidden, width, q_size, inter, max_rows, unit)
 
     def run(
@@ -98,12 +97,14 @@ class Stack:
         ):
             return None
         if self.unit is not None and self.unit != unit:  # switched since (use_matmul_unit)
-            self.table[:, UNIT_COLUMNS] = unit
+            for layer in self.table:
+                for matmul in layer.matmuls:
+                    matmul.unit = unit
             self.unit = unit
         out = torch.empty_like(x)
         status = self.function(
-            self.table.data_ptr(),
-            self.table.shape[0],
+            ctypes.addressof(self.table),
+            len(self.table),
             x.data_ptr(),
             self.final_norm.data_ptr(),
             eps,

@@ -1,4 +1,5 @@
-"""Attention kernels (``csrc/prefill.cpp``) for where many queries read the same keys:
+"""Attention kernels (``csrc/prefill.cpp``; tiles in ``attention_tiles.h``, float32 vectors in
+``attention_vectors.h``) for where many queries read the same keys:
 
 - the prefill chunks of a step: causal attention of every chunk's new tokens over its
   sequence, K/V read from the paged cache through the chunk's block table, one call per layer
@@ -7,9 +8,11 @@
   ``kernels.h``'s PAGEKV_HEAD_DIMS (64, 128, 256) in float32 vectors (``vec.h``): scores of 16
   queries against a vector of keys a register at a time, softmax and values in float32 as SDPA
   keeps them, bf16 K/V widened once as they are packed;
-- decode rows that share a prefix (cascade attention, tiles only, head size 64): the shared
-  blocks attended once for all rows, merged with each row's own rest, which the decode kernel
-  attends, by log-sum-exp;
+- decode rows that share a prefix (cascade attention, ``shared_prefix``): the shared blocks
+  attended once for all rows, merged with each row's own rest, which the decode kernel
+  attends, by log-sum-exp. In bf16 tiles where the target has them and the head size is 64;
+  else, on every target and every head size of PAGEKV_HEAD_DIMS, in float32 vectors with the
+  prefill kernel's products (float32 inputs, or bf16 ones widened as they are packed);
 - drafted decodes (several query tokens per sequence, tiles only, head size 64): per sequence
   and kv head the history is packed once and every token's query heads fill one block of 16
   rows (``decode``).
@@ -29,11 +32,13 @@ a time. Only the order of the float32 sums differs.
 A prefill row's numbers depend only on its own chunk (its query block's extra keys get
 probability 0, which adds exact zeros), so they are the same whatever else the step holds;
 they differ from SDPA's within rounding (another order of sums). A cascade row's depend on how
-much of its prefix the batch shares (the split point), within bf16 rounding.
+much of its prefix the batch shares (the split point), within rounding (bf16's in tiles,
+float32's in vectors).
 
 ``load()`` returns None (callers keep SDPA) without a compiler, with
-``PAGEKV_PREFILL_KERNEL=0`` or ``PAGEKV_CPU_ISA=none``; ``supports`` / ``supports_prefill`` say
-what the target takes. Must not import ``pagekv.core``, ``models`` or ``server``.
+``PAGEKV_PREFILL_KERNEL=0`` or ``PAGEKV_CPU_ISA=none``; ``supports`` (the tile paths),
+``supports_prefill`` and ``supports_cascade`` say what the target takes. Must not import
+``pagekv.core``, ``models`` or ``server``.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ class PrefillBatch:
 
 
 class PrefillKernel:
-    """The loaded library; ``supports`` says which (dtype, head dim) it has."""
+    """The loaded library; ``supports``, ``supports_prefill`` and ``supports_cascade`` say
+    which (dtype, head dim) each path takes."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._backend = library.prefill_kernel_backend
@@ -72,7 +78,11 @@ class PrefillKernel:
         }
         self._prefill_dtypes = set(self._vectors)
         self._head_dim = build.head_dims(library.prefill_head_dim)
-        self._shared = library.shared_prefix_attention_bf16_d64
+        self._shared_tiles = library.shared_prefix_attention_bf16_d64
+        self._shared_vectors = {  # the same dtypes and head sizes as the prefill vectors
+            torch.float32: library.shared_prefix_attention_f32,
+            torch.bfloat16: library.shared_prefix_attention_bf16_f32,
+        }
         self._decode = library.decode_attention_bf16_d64
 
     @property
@@ -87,7 +97,9 @@ class PrefillKernel:
         return bool(code) and self._backend(code) == code
 
     def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        """Whether the tile paths (cascade, drafted decodes) take this: bf16 only."""
+        """Whether the bf16 tiles take this (bf16 at head size 64, on a target with them): the
+        one path of drafted decodes (``decode``), and the one prefill chunks and cascade
+        attention take where it applies."""
         return self.available and dtype == torch.bfloat16 and head_dim == 64
 
     def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -96,8 +108,10 @@ class PrefillKernel:
         head size is theirs, else widened to float32)."""
         return dtype in self._prefill_dtypes and self._head_dim(head_dim)
 
-    def _tiles_take(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return self.available and dtype == torch.bfloat16 and head_dim == 64
+    def supports_cascade(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether ``shared_prefix`` (cascade attention) takes this: as ``supports_prefill``,
+        bf16 and float32 on every target and every head size of ``kernels.h``."""
+        return dtype in self._shared_vectors and self._head_dim(head_dim)
 
     def __call__(
         self,
@@ -131,7 +145,7 @@ class PrefillKernel:
         call = [*(t.data_ptr() for t in pointers), batch.chunks.shape[0], batch.tables.data_ptr()]
         call += [num_heads, num_kv_heads, block_size]
         threads = torch.get_num_threads()
-        if self._tiles_take(q.dtype, head_dim):
+        if self.supports(q.dtype, head_dim):
             status = self._tiles(*call, scale, threads)
         else:
             status = self._vectors[q.dtype](*call, head_dim, scale, threads)
@@ -149,15 +163,18 @@ class PrefillKernel:
         lse: torch.Tensor,
     ) -> bool:
         """Decode rows q [B, H, D] whose sequences all begin with the blocks ``table`` (int32,
-        covering ``prefix_len`` positions): their attention over that prefix, merged into
-        ``out`` (float32 [B, H, D]) and ``lse`` ([B, H]), which hold their attention over the
-        rest of their sequences and its log-sum-exp (``DecodeKernel`` with ``start``). False
-        (nothing changed) where the C side declines."""
+        covering ``prefix_len`` positions): their attention over that prefix merged into
+        ``out`` (float32 [B, H, D]), which holds their attention over the rest of their
+        sequences, each part weighed by its sum of exp: ``lse`` ([B, H], read, not changed)
+        holds the rest's log-sum-exp (``DecodeKernel`` with ``start``). q and the caches bf16
+        or float32, of a head size ``supports_cascade`` takes; in tiles where ``supports``
+        says so. False (nothing changed) where the C side declines."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, _ = k_cache.shape
         if not (
-            q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
-            and head_dim == 64
+            q.dtype == k_cache.dtype == v_cache.dtype
+            and self.supports_cascade(q.dtype, head_dim)
+            and k_cache.shape[3] == head_dim
             and v_cache.shape == k_cache.shape
             and out.dtype == lse.dtype == torch.float32
             and out.shape == q.shape
@@ -167,21 +184,14 @@ class PrefillKernel:
             and all(t.is_contiguous() for t in (q, k_cache, v_cache, table, out, lse))
         ):
             raise ValueError("shared prefix attention: wrong dtype, shape or layout of inputs")
-        status = self._shared(
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            table.data_ptr(),
-            prefix_len,
-            num_seqs,
-            num_heads,
-            num_kv_heads,
-            block_size,
-            scale,
-            out.data_ptr(),
-            lse.data_ptr(),
-            torch.get_num_threads(),
-        )
+        pointers = (q, k_cache, v_cache, table)
+        call = [*(t.data_ptr() for t in pointers), prefix_len, num_seqs, num_heads]
+        call += [num_kv_heads, block_size]
+        results = (out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+        if self.supports(q.dtype, head_dim):
+            status = self._shared_tiles(*call, scale, *results)
+        else:
+            status = self._shared_vectors[q.dtype](*call, head_dim, scale, *results)
         return bool(status == 0)
 
     def decode(

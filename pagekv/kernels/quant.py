@@ -17,9 +17,9 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
+from pagekv.kernels import abi
 from pagekv.kernels.dense import by_dtype
 from pagekv.models import layer_ops
 from pagekv.models.quantized import (
@@ -58,18 +58,22 @@ class PackedQuant(layer_ops.OpsLayout):
         return int(self.data.numel())
 
     @functools.cached_property
-    def runs_table(self) -> np.ndarray:
-        """The runs as the C layer halves read them: [count, then per run bits, group,
-        superblock, offsets, zero, first column, columns, byte offset, dots], int64."""
-        dots = int(self.dots)
-        rows = [(*r.format.key(), r.first, r.columns, r.offset, dots) for r in self.runs]
-        return np.array([len(rows), *(v for row in rows for v in row)], dtype=np.int64)
+    def c_runs(self) -> ctypes.Array[abi.QuantRun]:
+        """The runs as kernels.h's QuantRun, for ``c_weight``."""
+        rows = [abi.QuantRun(*r.format.key(), r.first, r.columns, r.offset) for r in self.runs]
+        return (abi.QuantRun * len(rows))(*rows)
 
     @functools.cached_property
-    def addresses(self) -> tuple[int, int]:
-        """(runs_table's, data's) addresses, as the C layer halves take them; both arrays
-        live as long as this object."""
-        return self.runs_table.ctypes.data, self.data.data_ptr()
+    def c_weight(self) -> abi.QuantWeight:
+        """The weight as the C calls take it (kernels.h's QuantWeight); it and its runs live
+        as long as this object."""
+        runs = self.c_runs
+        return abi.QuantWeight(ctypes.addressof(runs), len(runs), self.data.data_ptr(), self.dots)
+
+    @property
+    def address(self) -> int:
+        """``c_weight``'s address, as the C calls take it."""
+        return ctypes.addressof(self.c_weight)
 
     def describe(self) -> str:
         return "gguf stripes, int8 activations" if self.dots else "gguf stripes"
@@ -164,8 +168,7 @@ class QuantKernels:
             raise ValueError("quantized gated linear: x must be a contiguous float32 or bf16")
         inter = packed.shape[0] // 2
         out = torch.empty((rows, inter), dtype=x.dtype)
-        table, data = packed.addresses
-        if fn(table, data, x.data_ptr(), out.data_ptr(), rows, width, inter, threads) != 0:
+        if fn(packed.address, x.data_ptr(), out.data_ptr(), rows, width, inter, threads) != 0:
             return None
         return out
 
@@ -174,8 +177,7 @@ class QuantKernels:
         the stripes in one call (an embedding lookup each step)."""
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty((ids.shape[0], packed.shape[1]), dtype=torch.float32)
-        table, data = packed.addresses
-        args = (table, data, ids.data_ptr(), ids.shape[0], out.data_ptr(), packed.shape[1])
+        args = (packed.address, ids.data_ptr(), ids.shape[0], out.data_ptr(), packed.shape[1])
         if self._lib.quant_rows(*args) != 0:
             raise IndexError(f"quantized rows: an id outside [0, {packed.shape[0]})")
         return out

@@ -1,8 +1,9 @@
 """Paged attention, fast path: decode rows through a kernel over the block table, prefill chunks
 through the prefill kernel (bf16: AMX tiles or AVX512-BF16 vectors where the target has them;
-else, and float32 always, float32 vectors) or SDPA; drafted decodes (several tokens a sequence)
-and cascade attention over a prefix the decode rows share, in bf16 through the prefill kernel's
-tiles. Agrees with ``paged_attention_reference`` (tests/kernels/test_attention_fast.py).
+else, and float32 always, float32 vectors) or SDPA; cascade attention over a prefix the decode
+rows share through the prefill kernel too (in tiles or float32 vectors as for prefill chunks,
+on every target and head size it takes); drafted decodes (several tokens a sequence) in bf16
+through its tiles. Agrees with ``paged_attention_reference`` (tests/kernels/).
 
 Owns nothing: the step's ``StepLayout`` comes from ``batch.prepare_step``, the tensors from
 ``KVCache``. Why two paths: a decode row is one query over a long history, where the cost is
@@ -38,7 +39,8 @@ from pagekv.kernels.prefill import PrefillBatch, PrefillKernel
 from pagekv.models.layer_ops import NativeAttention
 
 # Decode rows below this go through the decode kernel alone even when they share a prefix:
-# the tiles take 16 (row, query head) pairs at a time, and packing the prefix is not free.
+# the prefill kernel takes 16 (row, query head) pairs at a time, and packing the prefix is not
+# free.
 CASCADE_MIN_ROWS = 4
 # Decode steps go through the prefill kernel's tiles when their sequences feed at least this
 # many query tokens on average (drafts): packing a history costs about what the decode kernel
@@ -154,7 +156,7 @@ class FastAttention:
             self.layout.decode.shared_blocks
             and rows >= CASCADE_MIN_ROWS
             and prefill is not None
-            and prefill.supports(dtype, head_dim)
+            and prefill.supports_cascade(dtype, head_dim)
         )
 
     def __call__(
@@ -220,10 +222,10 @@ class FastAttention:
     def _decode_by_kernels(
         self, kernel: DecodeKernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        """The decode rows, float32 [nd, H, D]. In bf16, when the rows share a prefix (a system
-        prompt, n samples of one prompt), cascade attention: the prefill kernel attends the
-        prefix once for all rows in tiles, the decode kernel each row's own rest, and the
-        two parts are merged by their log-sum-exp. Otherwise the decode kernel alone."""
+        """The decode rows, float32 [nd, H, D]. When the rows share a prefix (a system prompt,
+        n samples of one prompt), cascade attention: the prefill kernel attends the prefix once
+        for all rows (``_cascades``), the decode kernel each row's own rest, and the two parts
+        are merged by their log-sum-exp. Otherwise the decode kernel alone."""
         batch, prefill = self.layout.decode, self.prefill_kernel
         prefix = batch.shared_blocks * k_cache.shape[1]
         if prefill is not None and self._cascades(q.shape[0], k_cache.dtype, q.shape[-1]):

@@ -7,6 +7,7 @@ import ctypes
 import logging
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -87,6 +88,25 @@ def test_a_target_runs_only_where_the_cpu_has_every_set_its_flags_enable() -> No
         assert sets, f"{target.name}: its flags enable no instruction set this test knows"
         unchecked = sets - set(target.needs)
         assert not unchecked, f"{target.name}'s flags enable {unchecked}, which it does not check"
+
+
+# A branch on an instruction set's macro (``#if defined(__AVX2__)``): csrc/arch/'s business.
+ISA_BRANCH = re.compile(r"^\s*#\s*(el)?if.*__(AVX|AMX|FMA|F16C|SSE|aarch64|ARM)", re.MULTILINE)
+# Kernel files that still branch on them themselves: the prefill kernel's tiles.
+ISA_BRANCHES_OUTSIDE_ARCH = {"tile_products.h"}
+
+
+def test_each_target_is_one_header_and_only_the_headers_branch_on_instruction_sets() -> None:
+    """Adding a target is its header, csrc/arch/<target>.h, and its entry in TARGETS
+    (csrc/arch/target.h); the kernels are written once on what the headers define."""
+    for target in isa.TARGETS:
+        assert build.arch_header(target.name).is_file(), target.name
+        assert f'-DPAGEKV_ARCH="arch/{target.name}.h"' in build.flags_for(target.name)
+    branching = {p.name for p in build.CSRC.glob("*.*") if ISA_BRANCH.search(p.read_text())}
+    assert branching == ISA_BRANCHES_OUTSIDE_ARCH
+    assert ISA_BRANCH.search("#elif defined(__AVX512F__)\n") and not ISA_BRANCH.search(
+        "#if defined(__x86_64__)\n// __AVX2__\n"
+    )
 
 
 def test_the_selection_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

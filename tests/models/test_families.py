@@ -4,11 +4,13 @@ qkv and gate_up checkpoint tensors); sliding windows are test_sliding_window's.
 Tiny random models built from each family's transformers config, saved as HF directories (and
 GGUF files) at test time; pagekv's greedy tokens through the paged KV cache equal transformers'
 float32 ones on the same weights: block sizes 1 and 16, with and without prefix hits and
-preemption, on every kernel target this CPU runs.
+preemption, on every kernel target this CPU runs; and for head sizes 128 and 256, requests of
+one prompt decoding together through cascade attention over their shared prefix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -195,19 +197,48 @@ def test_greedy_equals_transformers_on_every_kernel_target(
     assert bool(calls["decode torch"]) == (kernels["decode_attention"] == "torch"), calls
 
 
+@pytest.mark.parametrize("family", ["llama-hd128", "llama-hd256"], indirect=True)
+def test_shared_prefixes_decode_by_cascade_and_equal_transformers(
+    family: Family, kernel_target: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies of one long prompt decoding together, float32: the later copies hit the first
+    one's cached blocks, so every decode step has at least CASCADE_MIN_ROWS rows sharing a
+    prefix, and every layer of every decode step attends it by cascade in C (the prefill
+    kernel's float32 vectors); the greedy tokens still equal transformers'."""
+    if build.find_compiler() is None:
+        pytest.skip("no C++ compiler: the kernels are optional")
+    loaded = load_model(str(family.directory))
+    one_prompt = dataclasses.replace(
+        family, prompts=family.prompts[:1], references=family.references[:1]
+    )
+    calls = count_attention_paths(monkeypatch)
+    stats = _assert_greedy_matches(
+        loaded, one_prompt, repeat=fast_attention.CASCADE_MIN_ROWS + 2, block_size=16
+    )
+    assert stats["prefix_cache_hit_tokens"] > 0
+    decode_steps = NEW_TOKENS - 1  # the first token comes with the prefill
+    assert calls["cascade C++"] == decode_steps * TINY["num_hidden_layers"], calls
+
+
 def count_attention_paths(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Counts, from here on, the calls of the prefill kernel and of torch's attention paths
-    (the decode kernel also runs inside C layer stacks, where Python does not see it)."""
+    """Counts, from here on, the calls of the prefill kernel (chunks, and cascade attention's
+    ``shared_prefix``) that ran, not declining with False, and of torch's attention paths (the
+    decode kernel also runs inside C layer stacks, where Python does not see it)."""
     calls: Counter[str] = Counter()
 
     def counted(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def counting(*args: Any, **kwargs: Any) -> Any:
-            calls[name] += 1
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
+            if result is not False:
+                calls[name] += 1
+            return result
 
         return counting
 
     monkeypatch.setattr(PrefillKernel, "__call__", counted("prefill C++", PrefillKernel.__call__))
+    monkeypatch.setattr(
+        PrefillKernel, "shared_prefix", counted("cascade C++", PrefillKernel.shared_prefix)
+    )
     for name, path in (
         ("_prefill_chunk", "prefill SDPA"),
         ("_prefill_group", "prefill SDPA"),

@@ -1,5 +1,5 @@
 """The package's shape, enforced: one folder per layer, no import cycle, small modules and
-functions, and ``Request`` changed only inside ``core``.
+functions (the C++ kernels' files too), and ``Request`` changed only inside ``core``.
 
 The import graph is test_layers.py's reading of the source (relative imports resolved, imports
 under ``if TYPE_CHECKING:`` and inside functions counted: a lazy or type-only arrow is still an
@@ -25,6 +25,12 @@ MAX_FUNCTION_LINES = 60
 
 def pagekv_files() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
+
+
+def kernel_sources() -> list[Path]:
+    """The C++ kernels' sources and headers (csrc/ and its folders)."""
+    csrc = PACKAGE / "kernels" / "csrc"
+    return sorted(p for p in csrc.rglob("*") if p.suffix in (".cpp", ".h"))
 
 
 def import_graph(sources: Mapping[str, tuple[str, bool]]) -> dict[str, set[str]]:
@@ -176,6 +182,17 @@ def test_modules_and_functions_are_small() -> None:
         f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function:\n"
         + "\n".join(too_long)
     )
+
+
+def test_kernel_sources_are_small() -> None:
+    sources = kernel_sources()
+    assert any(p.parent.name == "arch" for p in sources) and len(sources) > 10
+    too_long = [
+        f"{p.relative_to(REPO)}: {n} lines"
+        for p in sources
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not too_long, f"C++ files over {MAX_MODULE_LINES} lines:\n" + "\n".join(too_long)
 
 
 def test_request_fields_are_assigned_only_in_core() -> None:

@@ -1,44 +1,27 @@
-// bfloat16 helpers for the tile kernels (fused_ops.cpp matmuls, prefill.cpp attention):
-// float32 -> bfloat16 rounding for any AVX-512 target (the vector layer's); the tile permission
-// and one tile configuration where the target has AMX; which unit multiplies tiles.
+// bfloat16 and fp16 numbers one at a time, the same on every target: widening is exact (a
+// bfloat16 is the high 16 bits of a float32), rounding to bfloat16 is to nearest even as
+// torch's, and a NaN stays a NaN. The vectors' forms are the vector layer's (vec.h); what
+// multiplies bf16 tiles is the target's (arch/).
 #pragma once
 #include <cstdint>
-#include "simd.h"
-#include "vec.h"
-#if defined(__AVX512F__)
-// 16 float32 -> bfloat16, rounded to nearest even as torch does; NaN stays NaN.
-static inline void store_bf16x16(uint16_t* p, __m512 f) { VF{f}.store(p); }
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#include <sys/syscall.h>
-#include <unistd.h>
 
-static bool amx_permitted() {  // Linux grants the tile state on request, once per process
-    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                   18 /* XFEATURE_XTILEDATA */) == 0;
-    return ok;
+static inline float bf16_to_f32(uint16_t x) { return __builtin_bit_cast(float, uint32_t(x) << 16); }
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? uint16_t(0x7FC0) : r;
+}
+// fp16 -> float32, exact (subnormals, infinities and NaNs too).
+static inline float half_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 31u, man = h & 1023u;
+    if (exp == 31) return __builtin_bit_cast(float, sign | 0x7F800000u | (man << 13));
+    if (exp == 0) {  // zero or subnormal: man * 2^-24
+        const float f = float(man) * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
 }
 
-// Every tile register 16 rows x 64 bytes: 16 x 32 bf16 operands, 16 x 16 float32 sums.
-static inline void configure_tiles() {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-    _tile_loadconfig(&cfg);
-}
-#endif
-#if defined(__AVX512F__)
-// What multiplies packed bf16 tiles here (the codes of TILE_UNITS): 2, AMX (built for it and
-// granted by Linux); 1, AVX512-BF16 vector dot products reading the same tiles.
-static inline int best_tile_unit() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    return amx_permitted() ? 2 : 1;
-#else
-    return 1;
-#endif
-}
-#endif
+// An element of a float32 or bfloat16 tensor as float32, for loops written once for both.
+static inline float load(float x) { return x; }
+static inline float load(uint16_t x) { return bf16_to_f32(x); }

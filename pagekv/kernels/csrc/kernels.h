@@ -1,7 +1,9 @@
 // Every entry point of the kernel libraries, declared once. The Python side reads this file
 // (pagekv/kernels/build.py) for the ctypes signatures, so a declaration here is the whole
 // contract: pointers are addresses (ctypes c_void_p), and only the scalar types void, int,
-// long, float and double appear by value. Each library defines its own section.
+// long, float and double appear by value. Each library defines its own section. A struct
+// passed by its address is declared here too, once, and mirrored field by field as a
+// ctypes.Structure in pagekv/kernels/abi.py (tests/kernels/test_abi.py holds the two equal).
 #pragma once
 #include <cstdint>
 
@@ -34,9 +36,21 @@ void argmax_bf16_rows(const uint16_t* x, int64_t* out, long rows, long cols, int
 // A step's new K/V rows into their cache slots; -1 (nothing written) for a slot out of range.
 int write_rows(const char* k, const char* v, char* kc, char* vc, const int64_t* slots,
                long tokens, long row_bytes, long num_slots);
+// A decode step's attention as a layer stack calls it, layer after layer: one query token per
+// sequence, the whole of each history, no log-sum-exp (pagekv/kernels/decode.py fills it).
+struct StepAttention {
+    const int64_t* caches;  // [layers][2]: each layer's K and V cache addresses
+    const int64_t* slots;   // [num_seqs]: where this step's K/V rows go
+    const int32_t* tables;  // [num_seqs][table_stride]
+    const int32_t* seq_lens;
+    int64_t num_slots, row_bytes;
+    int32_t num_seqs, table_stride, num_heads, kv_heads, block_size, max_seq_len, head_dim,
+        bf16, threads;
+    float scale;
+};
 // One layer of a decode step: its new K/V rows into their slots, then the decode kernel into
-// out (q's type); `step` as decode.cpp's StepAttention. 0, or -1 with nothing written. Its
-// address is what a layer stack (decoder_stack_*) calls for each layer's attention.
+// out (q's type); `step` a StepAttention. 0, or -1 with nothing written. Its address is what a
+// layer stack (decoder_stack_*) calls for each layer's attention.
 int step_attention(const void* step, int layer, const void* q, const void* k, const void* v,
                    void* out);
 
@@ -46,6 +60,11 @@ int prefill_attention_bf16_d64(const void* q, const void* kc, const void* vc, vo
                                const int64_t* chunk_info, int num_chunks, const int32_t* tables,
                                int num_heads, int kv_heads, int block_size, float scale,
                                int threads);
+// Cascade attention: decode rows q [B, H, D] whose sequences begin with the same `prefix_len`
+// positions (the blocks `table`), each row's attention over that prefix merged into `out`
+// (float32 [B, H, D]), which holds its attention over the rest of its sequence, normalized;
+// `lse` ([B, H], read only) holds that rest's log-sum-exp of scaled scores, by which the two
+// parts are weighed. -1 (nothing written) also for num_heads % kv_heads != 0 or prefix_len < 1.
 int shared_prefix_attention_bf16_d64(const void* q, const void* kc, const void* vc,
                                      const int32_t* table, int prefix_len, int num_seqs,
                                      int num_heads, int kv_heads, int block_size, float scale,
@@ -58,10 +77,10 @@ int decode_attention_bf16_d64(const void* q, const void* kc, const void* vc, voi
 // The unit multiplying tiles (2 AMX, 1 AVX512-BF16 vectors, 0 none); `request` 1 or 2
 // switches to it where it can, anything else only asks.
 int prefill_kernel_backend(int request);
-// Prefill chunks with float32 arithmetic on every target and every head size of
-// PAGEKV_HEAD_DIMS (-1 for another): float32 inputs, or bfloat16 ones widened as they are
-// packed (where the target has no bf16 tiles, or the tiles not this head size).
-// 1 if prefill_attention_f32 and _bf16_f32 take head_dim (one of PAGEKV_HEAD_DIMS), else 0.
+// Prefill chunks and cascade attention with float32 arithmetic on every target and every head
+// size of PAGEKV_HEAD_DIMS (-1 for another): float32 inputs, or bfloat16 ones widened as they
+// are packed (where the target has no bf16 tiles, or the tiles not this head size).
+// 1 if these take head_dim (one of PAGEKV_HEAD_DIMS), else 0.
 int prefill_head_dim(int head_dim);
 int prefill_attention_f32(const void* q, const void* kc, const void* vc, void* out,
                           const int64_t* chunk_info, int num_chunks, const int32_t* tables,
@@ -71,6 +90,15 @@ int prefill_attention_bf16_f32(const void* q, const void* kc, const void* vc, vo
                                const int64_t* chunk_info, int num_chunks, const int32_t* tables,
                                int num_heads, int kv_heads, int block_size, int head_dim,
                                float scale, int threads);
+// shared_prefix_attention_bf16_d64's contract, any head size of PAGEKV_HEAD_DIMS.
+int shared_prefix_attention_f32(const void* q, const void* kc, const void* vc,
+                                const int32_t* table, int prefix_len, int num_seqs, int num_heads,
+                                int kv_heads, int block_size, int head_dim, float scale,
+                                float* out, const float* lse, int threads);
+int shared_prefix_attention_bf16_f32(const void* q, const void* kc, const void* vc,
+                                     const int32_t* table, int prefix_len, int num_seqs,
+                                     int num_heads, int kv_heads, int block_size, int head_dim,
+                                     float scale, float* out, const float* lse, int threads);
 
 // fused_ops.cpp: the layer ops, float32 (_f32) and bfloat16 (_bf16).
 void add_rms_norm_f32(const void* x, void* residual, const void* w, void* out, long rows, long n,
@@ -102,31 +130,44 @@ int stripes_linear_bf16(const void* x, const void* packed, void* out, long M, lo
                         int threads);
 // GGUF-quantized weights in stripes, dequantized in registers. A format is (bits, group,
 // superblock, offsets, zero) as quant.h describes it; -1 (or bytes -1) for one it lacks.
-// quant_pack takes the decoded form (pagekv/models/quantized.py); quant_linear_*: out [M, N],
-// row stride ldo >= N (a slice of a wider output), activations float32 or bfloat16, with
-// `dots` rounded to int8 and multiplied by integer dot products where the format has them
-// (quant_dot.h); quant_rows: rows `ids` of the weight [N, K] in runs (fused_ops.cpp's
-// RUN_LONGS), float32 [n, K], -1 (nothing written) for an id outside every run.
+// A weight [N, K] is one run of stripes or a few, each of one format over consecutive output
+// columns (the segments of a fused projection; pagekv/kernels/quant.py's PackedQuant).
+struct QuantRun {
+    long bits, group, superblock, offsets, zero;  // the format
+    long first, columns;                          // output columns [first, first + columns)
+    long offset;                                  // its stripes' first byte in the weight's
+};
+// `dots`: its matmuls round the activations to int8 and multiply them by integer dot products
+// where a run's format has them (quant_dot.h).
+struct QuantWeight {
+    const QuantRun* runs;
+    long num_runs;
+    const void* stripes;
+    long dots;
+};
+// quant_pack takes the decoded form (pagekv/models/quantized.py); quant_linear_*: one run's
+// out [M, N], row stride ldo >= N (a slice of a wider output), activations float32 or
+// bfloat16, `dots` as a QuantWeight's; quant_rows: rows `ids` of the weight, float32 [n, K],
+// -1 (nothing written) for an id outside every run.
 long quant_packed_bytes(int bits, int group, int superblock, int offsets, int zero, long N,
                         long K);
 int quant_pack(int bits, int group, int superblock, int offsets, int zero, const uint8_t* q,
                const uint16_t* d, const uint16_t* dm, const uint8_t* sc, const uint8_t* mk,
                void* packed, long N, long K);
-int quant_rows(const long* runs, const void* packed, const int64_t* ids, long n, float* out,
-               long K);
+int quant_rows(const QuantWeight* weight, const int64_t* ids, long n, float* out, long K);
 int quant_linear_f32(int bits, int group, int superblock, int offsets, int zero, int dots,
                      const void* x, const void* packed, void* out, long M, long K, long N,
                      long ldo, int threads);
 int quant_linear_bf16(int bits, int group, int superblock, int offsets, int zero, int dots,
                       const void* x, const void* packed, void* out, long M, long K, long N,
                       long ldo, int threads);
-// silu(x @ gate^T) * (x @ up^T) into out [M, I] from a gated MLP's weight in runs (gate's I
-// columns, then up's), the numbers quant_linear_* and silu_mul_* give; -1 (nothing written)
-// for a weight or shape it does not take.
-int quant_gated_f32(const long* runs, const void* packed, const void* x, void* out, long M,
-                    long K, long I, int threads);
-int quant_gated_bf16(const long* runs, const void* packed, const void* x, void* out, long M,
-                     long K, long I, int threads);
+// silu(x @ gate^T) * (x @ up^T) into out [M, I] from a gated MLP's weight (gate's I columns,
+// then up's), the numbers quant_linear_* and silu_mul_* give; -1 (nothing written) for a
+// weight or shape it does not take.
+int quant_gated_f32(const QuantWeight* weight, const void* x, void* out, long M, long K, long I,
+                    int threads);
+int quant_gated_bf16(const QuantWeight* weight, const void* x, void* out, long M, long K,
+                     long I, int threads);
 // A decode layer's two halves around attention in one call each (-1: declined), dense weights
 // of the activations' type: float32 in stripes, bfloat16 in tiles or stripes (`unit`: what
 // multiplies the tiles).
@@ -144,45 +185,57 @@ int mlp_block_dense_f32(const void* attn, void* residual, const void* o, const v
 int mlp_block_dense_bf16(const void* attn, void* residual, const void* o, const void* norm,
                          float eps, const void* gate_up, const void* down, void* out, long M,
                          long hidden, long q_size, long inter, int unit, int threads);
-// The same halves with GGUF weights in quantized stripes, float32 or bfloat16 activations:
-// each matmul its runs ([count, then 9 longs a run], see fused_ops.cpp) and its stripes.
+// The same halves with GGUF weights in quantized stripes, float32 or bfloat16 activations.
 int attention_inputs_quant_f32(const void* x, void* residual, const void* norm, float eps,
-                               const long* qkv_runs, const void* qkv, const float* cos,
-                               const float* sin, void* q, void* k, void* v, long M, long hidden,
-                               int heads, int kv_heads, int head_dim, int threads);
+                               const QuantWeight* qkv, const float* cos, const float* sin,
+                               void* q, void* k, void* v, long M, long hidden, int heads,
+                               int kv_heads, int head_dim, int threads);
 int attention_inputs_quant_bf16(const void* x, void* residual, const void* norm, float eps,
-                                const long* qkv_runs, const void* qkv, const float* cos,
-                                const float* sin, void* q, void* k, void* v, long M,
-                                long hidden, int heads, int kv_heads, int head_dim, int threads);
-int mlp_block_quant_f32(const void* attn, void* residual, const long* o_runs, const void* o,
-                        const void* norm, float eps, const long* gate_up_runs,
-                        const void* gate_up, const long* down_runs, const void* down,
-                        void* out, long M, long hidden, long q_size, long inter, int threads);
-int mlp_block_quant_bf16(const void* attn, void* residual, const long* o_runs, const void* o,
-                         const void* norm, float eps, const long* gate_up_runs,
-                         const void* gate_up, const long* down_runs, const void* down,
-                         void* out, long M, long hidden, long q_size, long inter, int threads);
+                                const QuantWeight* qkv, const float* cos, const float* sin,
+                                void* q, void* k, void* v, long M, long hidden, int heads,
+                                int kv_heads, int head_dim, int threads);
+int mlp_block_quant_f32(const void* attn, void* residual, const QuantWeight* o,
+                        const void* norm, float eps, const QuantWeight* gate_up,
+                        const QuantWeight* down, void* out, long M, long hidden, long q_size,
+                        long inter, int threads);
+int mlp_block_quant_bf16(const void* attn, void* residual, const QuantWeight* o,
+                         const void* norm, float eps, const QuantWeight* gate_up,
+                         const QuantWeight* down, void* out, long M, long hidden, long q_size,
+                         long inter, int threads);
 
 // A decode step's whole layer stack and final norm in one call, each layer's attention by
-// the C function `attention` with `context` (decode.cpp's step_attention); `table`: per layer
-// 10 longs (fused_ops.cpp). 0; -1 (nothing written) where a matmul does not take the shape;
-// 1 where the attention failed.
-int decoder_stack_quant_f32(const long* table, int layers, void* residual,
+// the C function `attention` with `context` (decode.cpp's step_attention); `layers` of them in
+// `table`. 0; -1 (nothing written) where a matmul does not take the shape; 1 where the
+// attention failed. A matmul of the stack: for decoder_stack_quant_* a GGUF weight (`quant`),
+// for decoder_stack_dense_* a dense weight of the activations' type in tiles or stripes
+// (`packed`, and `unit`: what multiplies the tiles), as the layer halves take them.
+struct StackMatmul {
+    const QuantWeight* quant;
+    const void* packed;
+    long unit;
+};
+struct StackLayer {
+    const void* input_norm;
+    StackMatmul qkv;
+    const void* post_norm;
+    StackMatmul o, gate_up, down;
+};
+int decoder_stack_quant_f32(const StackLayer* table, int layers, void* residual,
                             const void* final_norm, float eps, const float* cos,
                             const float* sin, void* out, long M, long hidden, int heads,
                             int kv_heads, int head_dim, long inter, const void* attention,
                             const void* context, int threads);
-int decoder_stack_quant_bf16(const long* table, int layers, void* residual,
+int decoder_stack_quant_bf16(const StackLayer* table, int layers, void* residual,
                              const void* final_norm, float eps, const float* cos,
                              const float* sin, void* out, long M, long hidden, int heads,
                              int kv_heads, int head_dim, long inter, const void* attention,
                              const void* context, int threads);
-int decoder_stack_dense_f32(const long* table, int layers, void* residual,
+int decoder_stack_dense_f32(const StackLayer* table, int layers, void* residual,
                             const void* final_norm, float eps, const float* cos,
                             const float* sin, void* out, long M, long hidden, int heads,
                             int kv_heads, int head_dim, long inter, const void* attention,
                             const void* context, int threads);
-int decoder_stack_dense_bf16(const long* table, int layers, void* residual,
+int decoder_stack_dense_bf16(const StackLayer* table, int layers, void* residual,
                              const void* final_norm, float eps, const float* cos,
                              const float* sin, void* out, long M, long hidden, int heads,
                              int kv_heads, int head_dim, long inter, const void* attention,

@@ -40,21 +40,11 @@ double read_f32(const float* x, long n, int threads) {
     return total;
 }
 
-#if defined(__AVX512BF16__)
-#include "simd.h"
-double dot_bf16(long iters, int threads) {
-    double total = 0;
-    #pragma omp parallel num_threads(threads) reduction(+ : total)
-    {
-        __m512 acc[CHAINS];
-        for (int i = 0; i < CHAINS; ++i) acc[i] = _mm512_setzero_ps();
-        const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3A833A83);  // 0.001, twice
-        for (long n = 0; n < iters; ++n)
-            for (int i = 0; i < CHAINS; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, a);
-        for (int i = 0; i < CHAINS; ++i) total += _mm512_reduce_add_ps(acc[i]);
-    }
-    return total;
+// bf16 dot products where the target has them (arch/bf16_dot.h), else -1.
+template <int N>
+static double bf16_dot_peak(Portable, long, int) {
+    return -1;
 }
-#else
-double dot_bf16(long, int) { return -1; }
-#endif
+double dot_bf16(long iters, int threads) {
+    return bf16_dot_peak<CHAINS>(Native{}, iters, threads);
+}

@@ -1,0 +1,191 @@
+// What the AVX-512 targets (avx512, avx512bf16, amx: x86-64-v4 and more) share: VF is one
+// __m512 (16 float32 lanes), VD one __m512i of int32 lanes (each target's header adds how its
+// bytes are regrouped and multiplied), and the decode kernel's row bodies: each K/V row
+// widened to float32 in registers once (the compiler's vectorizer misses the bf16 widening),
+// sixteen scores summed horizontally at once.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include "../bf16.h"
+#include "target.h"
+#include "x86_intrinsics.h"
+
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__)
+#error "arch/avx512_common.h: build with an AVX-512 target's flags (pagekv/kernels/isa.py)"
+#endif
+
+struct VF {
+    static constexpr int W = 16;     // lanes
+    static constexpr int REGS = 32;  // vector registers
+    __m512 v;
+    static VF zero() { return {_mm512_setzero_ps()}; }
+    static VF set1(float x) { return {_mm512_set1_ps(x)}; }
+    static VF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+    static VF load(const uint16_t* p) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+    }
+    static VF load_half(const uint8_t* p) {  // W fp16 -> float32, exact
+        return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))};
+    }
+    // lanes [0, min(n, W)) from p, the rest `fill`
+    static __mmask16 first_mask(int n) {
+        return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+    }
+    static VF load_first(const float* p, int n, float fill = 0.f) {
+        return {_mm512_mask_loadu_ps(_mm512_set1_ps(fill), first_mask(n), p)};
+    }
+    void store(float* p) const { _mm512_storeu_ps(p, v); }
+    void store_first(float* p, int n) const { _mm512_mask_storeu_ps(p, first_mask(n), v); }
+    // The value from here on in a register: a load the compiler would otherwise fold into
+    // each instruction that uses the value (a load per use, where the loop is load-bound).
+    void in_register() { __asm__("" : "+v"(v)); }
+    bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+    int first_equal(float x) const {  // the first lane equal to x, or -1
+        const unsigned m = _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_EQ_OQ);
+        return m == 0 ? -1 : __builtin_ctz(m);
+    }
+    VF keep_first(int n) const { return {_mm512_maskz_mov_ps(first_mask(n), v)}; }  // rest 0
+    // rounded to bfloat16 as f32_to_bf16 rounds each lane
+    __attribute__((always_inline)) void store(uint16_t* p) const {
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7FC0));
+        _mm256_storeu_si256((__m256i*)p, _mm512_maskz_cvtepi32_epi16(__mmask16(0xFFFF), r));
+    }
+    float reduce_add() const { return _mm512_reduce_add_ps(v); }
+    float reduce_max() const { return _mm512_reduce_max_ps(v); }
+};
+static inline VF operator+(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline VF operator-(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline VF operator*(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline VF fma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b+c
+static inline VF max(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline VF floor(VF a) {
+    return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)};
+}
+static inline VF pow2(VF n) {  // 2^n for whole n in [-127, 127]
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
+}
+template <int BITS>
+static inline void load_quants(const uint8_t* row, VF& q0, VF& q1) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)row));
+    if constexpr (BITS == 8) {
+        q0 = {_mm512_cvtepi32_ps(bytes)};
+        const __m128i next = _mm_loadu_si128((const __m128i*)(row + 16));
+        q1 = {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(next))};
+    } else {
+        __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(15));
+        __m512i hi = _mm512_srli_epi32(bytes, 4);
+        if constexpr (BITS > 4) {
+            constexpr int HB = BITS - 4;
+            uint64_t bits = 0;
+            std::memcpy(&bits, row + 16, 32 * HB / 8);
+            const __m512i shifts = _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(HB));
+            const __m512i mask = _mm512_set1_epi32((1 << HB) - 1);
+            const __m512i h0 = _mm512_and_si512(
+                _mm512_srlv_epi32(_mm512_set1_epi32(int(uint32_t(bits))), shifts), mask);
+            const __m512i h1 = _mm512_and_si512(
+                _mm512_srlv_epi32(_mm512_set1_epi32(int(uint32_t(bits >> (16 * HB)))), shifts),
+                mask);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi32(h0, 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi32(h1, 4));
+        }
+        q0 = {_mm512_cvtepi32_ps(lo)};
+        q1 = {_mm512_cvtepi32_ps(hi)};
+    }
+}
+// 16 float32 -> bfloat16, rounded to nearest even as torch does; NaN stays NaN.
+static inline void store_bf16x16(uint16_t* p, __m512 f) { VF{f}.store(p); }
+
+// quant_dot.h's int32 lanes (load_quads and dot4: the target's header).
+struct VD {
+    __m512i v;
+    static VD zero() { return {_mm512_setzero_si512()}; }
+    static VD set1(int32_t x) { return {_mm512_set1_epi32(x)}; }
+    VF to_float() const { return {_mm512_cvtepi32_ps(v)}; }
+    VD operator+(VD o) const { return {_mm512_add_epi32(v, o.v)}; }
+};
+
+// The decode kernel's row bodies (decode_rows.h says what each computes). row_dot takes the
+// tag too, so that a later header's body for bfloat16 rows (bf16_dot.h) is found where there is
+// one, and taken as the more specific.
+static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+static inline __m512 load16(const uint16_t* x) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i*)x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// q.k for one row, left unreduced: 16 partial sums whose total is the dot product.
+template <int D, typename KV>
+static inline __m512 row_dot(Native, const KV* q, const KV* k) {
+    __m512 acc = _mm512_mul_ps(load16(q), load16(k));
+    for (int i = 1; i < D / 16; ++i)
+        acc = _mm512_fmadd_ps(load16(q + 16 * i), load16(k + 16 * i), acc);
+    return acc;
+}
+
+// Lane t of the result = the sum of v[t]'s 16 lanes: sixteen horizontal sums for ~35 shuffles
+// and adds, instead of sixteen separate reductions of ~9 each.
+static inline __m512 sum4_in_lanes(__m512 a, __m512 b, __m512 c, __m512 d) {
+    // per 128-bit lane L: [sum_L(a), sum_L(b), sum_L(c), sum_L(d)]
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline __m512 hsum16(const __m512* v) {
+    const __m512 r0 = sum4_in_lanes(v[0], v[1], v[2], v[3]);
+    const __m512 r1 = sum4_in_lanes(v[4], v[5], v[6], v[7]);
+    const __m512 r2 = sum4_in_lanes(v[8], v[9], v[10], v[11]);
+    const __m512 r3 = sum4_in_lanes(v[12], v[13], v[14], v[15]);
+    // add the four 128-bit lanes of each r_j, and put r_j's result in lane j
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x88),
+                                     _mm512_shuffle_f32x4(r0, r1, 0xDD));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, 0x88),
+                                     _mm512_shuffle_f32x4(r2, r3, 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88),
+                         _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+// Scores of `group` query heads (rows of q) against up to 16 key rows: s[g * stride + t].
+template <int D, typename KV>
+static inline void scores16(Native, const KV* q, const KV* const* rows, int count, int group,
+                            float scale, float* s, long stride) {
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int g = 0; g < group; ++g) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t)
+            acc[t] = t < count ? row_dot<D>(Native{}, q + g * D, rows[t]) : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(s + g * stride, valid, _mm512_mul_ps(hsum16(acc), vscale));
+    }
+}
+// out[g] += sum_t p[g * p_stride + t] * rows[t] over W dims for G heads at once (head g's
+// output at out + g * out_stride): each value row is widened to float32 once, in registers,
+// and the G accumulators (G * W / 16 registers) stay there. Each output is one chain of FMAs,
+// t ascending, whatever G and W.
+template <int W, int G, typename KV>
+static inline void pv_group(Native, const float* p, long p_stride, const KV* const* rows,
+                            int count, float* out, long out_stride) {
+    __m512 acc[G][W / 16];
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < W / 16; ++i)
+            acc[g][i] = _mm512_loadu_ps(out + g * out_stride + 16 * i);
+    for (int t = 0; t < count; ++t) {
+        __m512 v[W / 16];
+        for (int i = 0; i < W / 16; ++i) v[i] = load16(rows[t] + 16 * i);
+        for (int g = 0; g < G; ++g) {
+            const __m512 pt = _mm512_set1_ps(p[g * p_stride + t]);
+            for (int i = 0; i < W / 16; ++i) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int i = 0; i < W / 16; ++i) _mm512_storeu_ps(out + g * out_stride + 16 * i, acc[g][i]);
+}
