@@ -58,20 +58,20 @@ TINY = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-WIDE = {"hidden_size": 96, "num_key_value_heads": 2}  # 96: whole heads of 12 and of 4
+WIDE = {"hidden_size": 96, "num_key_value_heads": 2}  # 96: whole heads of 12 and of 8
 FAMILIES = {  # name: model_type, or model_type-variant
     # head_dim not hidden / heads, as in real Qwen3 checkpoints
     "qwen3": ("Qwen3Config", {"head_dim": 24}),
     "phi3": ("Phi3Config", {}),
     # the head sizes and GQA groups of the models people run: 128 with 6 query heads a KV head
-    # (Qwen2.5-1.5B's 12 on 2), 256 with 2 (Gemma 3 has 4 on 1)
+    # (Qwen2.5-1.5B's 12 on 2), 256 with 4 (Gemma 3's 4 on 1)
     "llama-hd128": (
         "LlamaConfig",
         {**WIDE, "head_dim": 128, "num_attention_heads": 12},
     ),
     "llama-hd256": (
         "LlamaConfig",
-        {**WIDE, "head_dim": 256, "num_attention_heads": 4},
+        {**WIDE, "head_dim": 256, "num_attention_heads": 8},
     ),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)

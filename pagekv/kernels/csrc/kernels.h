@@ -10,8 +10,8 @@
 extern "C" {
 
 // The head sizes the attention kernels are built for: the decode kernel (decode.cpp) and the
-// float32-vector prefill kernel (prefill.cpp) on every target. Adding one here builds both for
-// it; Python asks decode_head_dim and prefill_head_dim.
+// float32-vector prefill and cascade kernels (prefill.cpp) on every target. Adding one here
+// builds them all for it; Python asks decode_head_dim and prefill_head_dim.
 #define PAGEKV_HEAD_DIMS(X) X(64) X(128) X(256)
 
 // decode.cpp: paged decode attention; q, caches and out as the Python wrapper lays them out.
