@@ -7,8 +7,7 @@ not the contract; the rule is the bf16 golden test's (``agreeing_prefix``): whil
 agree our logprobs stay close to the reference's, the first difference must be a near tie of
 the reference, and a floor on the tokens compared before it guards against a model broken in a
 way that happens to produce ties. Run on every kernel target this CPU has (block size 16; 1 on
-the best target too), on the default Q4_1 file and on one written with Q8_0, Q4_0 and Q4_K
-weights.
+the best target too), on the default Q4_1 file and on one written with every other format.
 """
 
 from __future__ import annotations
@@ -40,14 +39,19 @@ MIN_COMPARED_FRACTION = 0.35  # of all tokens, compared before the first legitim
 
 
 def choose(name: str, shape: tuple[int, ...]) -> QT:
-    """Every format with int8 dot products: Q8_0 (the embedding and attn_k), Q4_0, Q4_K
-    (ffn_down, whose rows are 256 wide), Q4_1 (the rest, as the default file)."""
+    """Every format with int8 dot products: Q8_0 (the embedding), Q5_0 (attn_k), Q5_1
+    (attn_v), Q4_0 (attn_q, ffn_up), the K types on ffn_down (its rows are 256 wide: Q4_K,
+    Q5_K and Q6_K by turns of layers), Q4_1 (the rest, as the default file)."""
     if len(shape) == 1:
         return QT.F32
-    if name == "token_embd.weight" or ".attn_k." in name:
+    if name == "token_embd.weight":
         return QT.Q8_0
     if ".ffn_down." in name:
-        return QT.Q4_K
+        return (QT.Q4_K, QT.Q5_K, QT.Q6_K)[int(name.split(".")[1]) % 3]
+    if ".attn_k." in name:
+        return QT.Q5_0
+    if ".attn_v." in name:
+        return QT.Q5_1
     return QT.Q4_0 if ".attn_q." in name or ".ffn_up." in name else QT.Q4_1
 
 

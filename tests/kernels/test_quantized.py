@@ -187,9 +187,6 @@ def test_bf16_batches_match_the_bf16_rounded_weights(ops: fused_ops.FusedOps, qt
         assert torch.equal(ops.linear(x[:rows].contiguous(), weight, packed, None), out[:rows])
 
 
-DOT_FORMATS = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K)  # 4- and 8-bit quants in groups of 32
-
-
 def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the int8 kernels round it (quant_dot.h), float64: per group of 32 inputs
     q = round(x * (127 / max|x|)) (to even; each operation one float32 rounding, in numpy:
@@ -204,10 +201,10 @@ def rounded_to_int8(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", list(FORMATS), ids=lambda q: q.name)
 def test_int8_activations_are_the_rounded_rows_product(ops: fused_ops.FusedOps, qtype: QT) -> None:
-    """Packed for int8 activations, the formats with dot products multiply each row rounded
-    to int8 groups: the float64 product of the rounded rows with the exact weights, to float32
-    rounding, and not the unrounded product; the other formats stay exact. A row's numbers do
-    not depend on its batch, float32 or bf16 activations."""
+    """Packed for int8 activations, every format multiplies each row rounded to int8 groups:
+    the float64 product of the rounded rows with the exact weights, to float32 rounding, and
+    not the unrounded product. A row's numbers do not depend on its batch, float32 or bf16
+    activations."""
     int8 = ops.with_int8_activations()
     assert int8.with_int8_activations() is int8 and ops.with_int8_activations() is int8
     weight = quantized([qtype], 64, seed=6)
@@ -216,15 +213,14 @@ def test_int8_activations_are_the_rounded_rows_product(ops: fused_ops.FusedOps, 
     dense = torch.from_numpy(weight.dequantize())
     x = torch.randn(37, WIDTH)
     out = int8.linear(x, weight, packed, None)
-    dots = qtype in DOT_FORMATS
-    assert_float32_product(out, rounded_to_int8(x) if dots else x, dense)
+    assert_float32_product(out, rounded_to_int8(x), dense)
     exact = ops.linear(x, weight, ops.pack(weight), None)
-    assert torch.equal(out, exact) != dots
+    assert not torch.equal(out, exact)
     for rows in (1, 2, 5):
         assert torch.equal(int8.linear(x[:rows].contiguous(), weight, packed, None), out[:rows])
     xb = x[:9].bfloat16()
     got = int8.linear(xb, weight, packed, None)
-    want = ((rounded_to_int8(xb) if dots else xb.double()) @ dense.double().T).bfloat16()
+    want = (rounded_to_int8(xb) @ dense.double().T).bfloat16()
     assert got.dtype == torch.bfloat16
     assert (got.double() - want.double()).abs().max() <= want.double().abs().max() / 64
 

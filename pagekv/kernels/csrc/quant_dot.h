@@ -2,17 +2,19 @@
 // integer dot products, as llama.cpp multiplies its Q8 blocks.
 //
 // Each row of x is rounded per group of 32 inputs: q8 = round(x / a), a = max|x| / 127 (the
-// group's scale). A weight group of 32 inputs is w = s * q + m per column (quant.h), so
+// group's scale). A weight group of 32 (or 16) inputs is w = s * q + m per column (quant.h), so
 //   sum_k w_k * (a * q8_k) = s * a * sum_k q_k * q8_k + m * a * sum_k q8_k,
-// the first sum exact in int32. A row's output is the float32 dot product of the exact weights
-// with its rounded activations, up to float32 rounding; a row is rounded alone, so its output
-// does not depend on the batch either. For the formats whose quants are 4 or 8 bits in groups
-// of 32 (Q8_0, Q4_0, Q4_1, Q4_K): has_dots<F>(); the others keep the float32 kernel.
+// the first sum exact in int32 (the second over the weight group's inputs: Q6_K's groups of 16
+// take the sums of each half of a rounding group). A row's output is the float32 dot product
+// of the exact weights with its rounded activations, up to float32 rounding; a row is rounded
+// alone, so its output does not depend on the batch either. Every format of quant.h has them
+// (has_dots<F>()): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
 //
 // Per target (its arch/ header): VD, W int32 lanes; load_quads<BITS>(rows, u0, u1), k rows
 // [0, 4) of a stripe regrouped so that lane c of u0 holds column c's 4 quants as bytes, k
 // ascending (u1: column W + c's: one byte permute each with AVX512-VBMI, else dword and byte
-// shuffles); dot4<BITS>(acc, u, x) adds to each lane the sum over its 4 bytes of
+// shuffles; 5- and 6-bit quants with their high bits moved in by a bit test per byte);
+// dot4<BITS>(acc, u, x) adds to each lane the sum over its 4 bytes of
 // (u - DOT_BIAS<BITS>) * x, x 4 signed bytes in every lane. Where the dot product takes
 // unsigned bytes as they are (VNNI, the generic body) the bias is 0; vpmaddubsw's pairs would
 // overflow int16 at 8 bits, so there the 8-bit quants go in as signed (u - 128), with signs
@@ -25,19 +27,21 @@
 #include <vector>
 #include "quant.h"
 
-static const int DOT_GROUP = 32;  // the activations' rounding group: every format's group
+static const int DOT_GROUP = 32;  // the activations' rounding group: a multiple of every format's
 template <class F>
 static constexpr bool has_dots() {
-    return (F::BITS == 4 || F::BITS == 8) && F::GROUP == DOT_GROUP;
+    return F::BITS >= 4 && F::BITS <= 8 && F::BITS != 7 && DOT_GROUP % F::GROUP == 0;
 }
 // rows of a pass: two int32 and two float32 sums each in registers, beside the quads
 static const int DOT_ROWS = VF::REGS >= 32 ? 4 : 2;
 
-// x [M, K] rounded per group: q [M, K], and per group its scale a and a * sum(q).
+// x [M, K] rounded per group: q [M, K], and per group its scale a, a * sum(q), and a * the sum
+// of each half (halves: 2 per group).
 struct Int8Rows {
     const int8_t* q;
     const float* scale;
     const float* qsum;
+    const float* halves;
     long K;
 };
 
@@ -46,9 +50,9 @@ static Int8Rows round_rows(const float* x, long M, long K, int threads) {
     static thread_local std::vector<float> scales;
     const long groups = M * (K / DOT_GROUP);
     if (long(q.size()) < M * K) q.resize(M * K);
-    if (long(scales.size()) < 2 * groups) scales.resize(2 * groups);
+    if (long(scales.size()) < 4 * groups) scales.resize(4 * groups);
     int8_t* qs = q.data();
-    float *scale = scales.data(), *qsum = scale + groups;
+    float *scale = scales.data(), *qsum = scale + groups, *halves = qsum + groups;
     #pragma omp parallel for num_threads(threads) if(M * K >= 65536)
     for (long g = 0; g < groups; ++g) {  // K is a multiple of the group: group g at g * 32
         const float* xg = x + g * DOT_GROUP;
@@ -59,17 +63,19 @@ static Int8Rows round_rows(const float* x, long M, long K, int threads) {
         }
         const float amax = largest.reduce_max();
         const float inverse = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
+        int half[2] = {0, 0};
         for (int i = 0; i < DOT_GROUP; ++i) {
             const float r = std::nearbyint(xg[i] * inverse);
             const int v = int(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
             qs[g * DOT_GROUP + i] = int8_t(v);
-            sum += v;
+            half[i / (DOT_GROUP / 2)] += v;
         }
         scale[g] = amax / 127.f;
-        qsum[g] = scale[g] * float(sum);
+        qsum[g] = scale[g] * float(half[0] + half[1]);
+        halves[2 * g] = scale[g] * float(half[0]);
+        halves[2 * g + 1] = scale[g] * float(half[1]);
     }
-    return {qs, scale, qsum, K};
+    return {qs, scale, qsum, halves, K};
 }
 
 // Rows [m0, m0 + R) of x against one stripe -> out (row stride ldo).
@@ -80,43 +86,47 @@ static inline void dot_block(const Int8Rows& x, long m0, const QuantStripe<F>& s
     VF acc[R][2];
     for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = VF::zero();
     const VF bias = VF::set1(float(DOT_BIAS<F::BITS>));
-    for (long g = 0; g < groups; ++g) {
-        const auto group = src.group(g * DOT_GROUP);
-        // no software prefetch: a thread reads its stripes front to back, which the hardware
-        // prefetchers follow; requests of its own only took load slots from the dot products
-        // P chains of dot products per sum, quads j = p, p + P, ...: with few rows one chain
-        // would wait on each dot product's latency; int32 sums are exact in any order, so the
-        // chains change no bit
-        constexpr int P = R <= 2 ? 2 : 1;
-        VD sum[R][2][P];
-        for (int m = 0; m < R; ++m)
-            for (int p = 0; p < P; ++p) sum[m][0][p] = sum[m][1][p] = VD::zero();
-        for (int j = 0; j < DOT_GROUP / 4; j += P)
-            for (int p = 0; p < P; ++p) {
-                VD u0, u1;
-                load_quads<F::BITS>(group.rows + 4 * (j + p) * F::ROW_BYTES, u0, u1);
-                for (int m = 0; m < R; ++m) {
-                    int32_t quad;
-                    std::memcpy(&quad, x.q + (m0 + m) * K + g * DOT_GROUP + 4 * (j + p), 4);
-                    const VD xq = VD::set1(quad);
-                    sum[m][0][p] = dot4<F::BITS>(sum[m][0][p], u0, xq);
-                    sum[m][1][p] = dot4<F::BITS>(sum[m][1][p], u1, xq);
+    constexpr int PARTS = DOT_GROUP / F::GROUP;  // weight groups per rounding group: 1 or 2
+    for (long g = 0; g < groups; ++g)
+        for (int part = 0; part < PARTS; ++part) {
+            const long k0 = g * DOT_GROUP + part * F::GROUP;
+            const auto group = src.group(k0);
+            // no software prefetch: a thread reads its stripes front to back, which the
+            // hardware prefetchers follow; requests of its own only took load slots from the
+            // dot products. P chains of dot products per sum, quads j = p, p + P, ...: with
+            // few rows one chain would wait on each dot product's latency; int32 sums are
+            // exact in any order, so the chains change no bit
+            constexpr int P = R <= 2 ? 2 : 1;
+            VD sum[R][2][P];
+            for (int m = 0; m < R; ++m)
+                for (int p = 0; p < P; ++p) sum[m][0][p] = sum[m][1][p] = VD::zero();
+            for (int j = 0; j < F::GROUP / 4; j += P)
+                for (int p = 0; p < P; ++p) {
+                    VD u0, u1;
+                    load_quads<F::BITS>(group.rows + 4 * (j + p) * F::ROW_BYTES, u0, u1);
+                    for (int m = 0; m < R; ++m) {
+                        int32_t quad;
+                        std::memcpy(&quad, x.q + (m0 + m) * K + k0 + 4 * (j + p), 4);
+                        const VD xq = VD::set1(quad);
+                        sum[m][0][p] = dot4<F::BITS>(sum[m][0][p], u0, xq);
+                        sum[m][1][p] = dot4<F::BITS>(sum[m][1][p], u1, xq);
+                    }
                 }
+            for (int m = 0; m < R; ++m)
+                for (int p = 1; p < P; ++p) {
+                    sum[m][0][0] = sum[m][0][0] + sum[m][0][p];
+                    sum[m][1][0] = sum[m][1][0] + sum[m][1][p];
+                }
+            // the offsets the biased sums need: m + bias * s (exact: a power of two times s)
+            const VF o0 = fma(group.s0, bias, group.m0), o1 = fma(group.s1, bias, group.m1);
+            for (int m = 0; m < R; ++m) {
+                const long at = (m0 + m) * groups + g;
+                const VF a = VF::set1(x.scale[at]);
+                const VF qs = VF::set1(PARTS == 1 ? x.qsum[at] : x.halves[2 * at + part]);
+                acc[m][0] = fma(o0, qs, fma(sum[m][0][0].to_float(), group.s0 * a, acc[m][0]));
+                acc[m][1] = fma(o1, qs, fma(sum[m][1][0].to_float(), group.s1 * a, acc[m][1]));
             }
-        for (int m = 0; m < R; ++m)
-            for (int p = 1; p < P; ++p) {
-                sum[m][0][0] = sum[m][0][0] + sum[m][0][p];
-                sum[m][1][0] = sum[m][1][0] + sum[m][1][p];
-            }
-        // the offsets the biased sums need: m + bias * s (exact: a power of two times s)
-        const VF o0 = fma(group.s0, bias, group.m0), o1 = fma(group.s1, bias, group.m1);
-        for (int m = 0; m < R; ++m) {
-            const long at = (m0 + m) * groups + g;
-            const VF a = VF::set1(x.scale[at]), qs = VF::set1(x.qsum[at]);
-            acc[m][0] = fma(o0, qs, fma(sum[m][0][0].to_float(), group.s0 * a, acc[m][0]));
-            acc[m][1] = fma(o1, qs, fma(sum[m][1][0].to_float(), group.s1 * a, acc[m][1]));
         }
-    }
     for (int m = 0; m < R; ++m) {
         acc[m][0].store(out + m * ldo);
         acc[m][1].store(out + m * ldo + VF::W);
@@ -136,7 +146,7 @@ static void dot_rows(const Int8Rows& x, long m0, long rows, const QuantStripe<F>
 template <class F, typename OT>
 static int quant_dot_matmul(const float* x, const QuantStripes<F>& stripes, OT* out, long M,
                             long K, long N, long ldo, int threads) {
-    static_assert(has_dots<F>(), "a format of 4- or 8-bit quants in groups of 32");
+    static_assert(has_dots<F>(), "a format of 4- to 8-bit quants in groups within 32 inputs");
     if (M < 1 || K % F::SUPER != 0 || N % STRIPE != 0 || ldo < N) return -1;
     const Int8Rows rounded = round_rows(x, M, K, threads);
     const long count = N / STRIPE;

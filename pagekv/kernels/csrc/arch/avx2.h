@@ -128,13 +128,61 @@ static inline __m256i quads_of(__m256i rows, __m256i dwords) {
                                            0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(rows, dwords), bytes);
 }
+// 4 rows of a stripe of 4-, 5- or 6-bit quants (quant.h's layout: a row's 8 bytes of nibbles,
+// columns c and 8 + c, then HB = BITS - 4 bits a column, column c's at bit HB * c), whole, as
+// bytes: quadword k of lo holds row k's quants of columns 0-7, of hi columns 8-15. The high
+// bits come in by a byte shuffle of each row's high bytes within its quadword (HighBits: the
+// byte holding column c's, and the bit) and a bit test per byte.
+template <int HB>
+struct HighBits {
+    alignas(32) uint8_t of_lo[32], of_hi[32], bit[HB][32];
+    constexpr HighBits() : of_lo(), of_hi(), bit() {
+        for (int i = 0; i < 32; ++i) {  // byte i: row i / 8 (its 128-bit lane's), column i % 8
+            const int own = i % 16 / 8 * 8, c = i % 8;
+            of_lo[i] = uint8_t(own + c * HB / 8);
+            of_hi[i] = uint8_t(own + (8 + c) * HB / 8);  // 8 * HB bits later: the same bits
+            for (int b = 0; b < HB; ++b) bit[b][i] = uint8_t(1 << ((c * HB + b) % 8));
+        }
+    }
+};
+template <int BITS>
+static inline void quant_quadwords(const uint8_t* rows, __m256i& lo, __m256i& hi) {
+    constexpr int ROW = 16 * BITS / 8, HB = BITS - 4;
+    const auto at = [&](int k, int skip, int bytes) {
+        uint64_t v = 0;
+        std::memcpy(&v, rows + k * ROW + skip, bytes);
+        return (long long)v;
+    };
+    const __m256i v = HB == 0 ? _mm256_loadu_si256((const __m256i*)rows)
+                              : _mm256_setr_epi64x(at(0, 0, 8), at(1, 0, 8), at(2, 0, 8), at(3, 0, 8));
+    const __m256i low = _mm256_set1_epi8(15);
+    lo = _mm256_and_si256(v, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (HB > 0) {
+        static constexpr HighBits<HB> table;
+        const auto load = [](const uint8_t* p) { return _mm256_load_si256((const __m256i*)p); };
+        const int n = 2 * HB;  // a row's bytes of high bits
+        const __m256i h = _mm256_setr_epi64x(at(0, 8, n), at(1, 8, n), at(2, 8, n), at(3, 8, n));
+        const __m256i of_lo = _mm256_shuffle_epi8(h, load(table.of_lo));
+        const __m256i of_hi = _mm256_shuffle_epi8(h, load(table.of_hi));
+        for (int b = 0; b < HB; ++b) {
+            const __m256i bit = load(table.bit[b]), add = _mm256_set1_epi8(char(16 << b));
+            const auto set = [&](__m256i of) {
+                return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(of, bit), bit), add);
+            };
+            lo = _mm256_or_si256(lo, set(of_lo));
+            hi = _mm256_or_si256(hi, set(of_hi));
+        }
+    }
+}
 template <int BITS>
 static inline void load_quads(const uint8_t* rows, VD& u0, VD& u1) {
-    if constexpr (BITS == 4) {  // 4 rows of 8 bytes: dword (k, j) at 2k + j
-        const __m256i v = _mm256_loadu_si256((const __m256i*)rows), low = _mm256_set1_epi8(15);
+    if constexpr (BITS < 8) {  // 4 rows' quants: dword (k, j) at 2k + j
+        __m256i lo, hi;
+        quant_quadwords<BITS>(rows, lo, hi);
         const __m256i dwords = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-        u0 = {quads_of(_mm256_and_si256(v, low), dwords)};
-        u1 = {quads_of(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), dwords)};
+        u0 = {quads_of(lo, dwords)};
+        u1 = {quads_of(hi, dwords)};
     } else {  // 4 rows of 16 bytes; unpacked: k0, k2 | k1, k3 (8 bytes each)
         const __m256i a = _mm256_loadu_si256((const __m256i*)rows);
         const __m256i b = _mm256_loadu_si256((const __m256i*)(rows + 32));

@@ -13,10 +13,11 @@ static inline __m512i quads_of(__m512i rows) {
 }
 template <int BITS>
 static inline void load_quads(const uint8_t* rows, VD& u0, VD& u1) {
-    if constexpr (BITS == 4) {  // 4 rows of 16 bytes
-        const __m512i v = _mm512_loadu_si512(rows), low = _mm512_set1_epi8(15);
-        u0 = {quads_of(_mm512_and_si512(v, low))};
-        u1 = {quads_of(_mm512_and_si512(_mm512_srli_epi16(v, 4), low))};
+    if constexpr (BITS < 8) {  // 4 rows of 16 bytes of nibbles (and their high bits)
+        __m512i lo, hi;
+        quant_lanes<BITS>(rows, lo, hi);
+        u0 = {quads_of(lo)};
+        u1 = {quads_of(hi)};
     } else {  // 4 rows of 32 bytes: 128-bit lanes k0 c0-15, k0 c16-31, k1 c0-15, ...
         const __m512i a = _mm512_loadu_si512(rows), b = _mm512_loadu_si512(rows + 64);
         u0 = {quads_of(_mm512_shuffle_i64x2(a, b, 0x88))};

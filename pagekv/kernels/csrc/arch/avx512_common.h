@@ -114,6 +114,55 @@ struct VD {
     VD operator+(VD o) const { return {_mm512_add_epi32(v, o.v)}; }
 };
 
+// quant_dot.h's quants of 4 rows k of a stripe of 4-, 5- or 6-bit quants (quant.h's layout:
+// a row's 16 bytes of nibbles, columns c and 16 + c, then HB = BITS - 4 bits a column, column
+// c's at bit HB * c), whole: 128-bit lane k of lo holds row k's quants of columns 0-15 as bytes,
+// of hi columns 16-31. The high bits come in by a byte shuffle of each row's high bytes within
+// its lane (HighBits: the byte holding column c's, and the bit) and a bit test per byte.
+template <int HB>
+struct HighBits {
+    alignas(16) uint8_t of_lo[16], of_hi[16], bit[HB][16];
+    constexpr HighBits() : of_lo(), of_hi(), bit() {
+        for (int c = 0; c < 16; ++c) {  // 16 columns later: 2 * HB bytes later, the same bits
+            of_lo[c] = uint8_t(c * HB / 8);
+            of_hi[c] = uint8_t((16 + c) * HB / 8);
+            for (int b = 0; b < HB; ++b) bit[b][c] = uint8_t(1 << ((c * HB + b) % 8));
+        }
+    }
+};
+static inline __m512i lanes_of(const uint8_t* bytes) {
+    return _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)bytes));
+}
+static inline __m512i four_lanes(__m128i a, __m128i b, __m128i c, __m128i d) {
+    const __m512i ab = _mm512_inserti32x4(_mm512_castsi128_si512(a), b, 1);
+    return _mm512_inserti32x4(_mm512_inserti32x4(ab, c, 2), d, 3);
+}
+template <int BITS>
+static inline void quant_lanes(const uint8_t* rows, __m512i& lo, __m512i& hi) {
+    constexpr int ROW = 32 * BITS / 8, HB = BITS - 4;
+    const auto row = [&](int k) { return _mm_loadu_si128((const __m128i*)(rows + k * ROW)); };
+    const __m512i v = HB == 0 ? _mm512_loadu_si512(rows) : four_lanes(row(0), row(1), row(2), row(3));
+    const __m512i low = _mm512_set1_epi8(15);
+    lo = _mm512_and_si512(v, low);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if constexpr (HB > 0) {
+        static constexpr HighBits<HB> table;
+        const auto high = [&](int k) {  // row k's 4 * HB bytes of high bits
+            uint64_t bits = 0;
+            std::memcpy(&bits, rows + k * ROW + 16, 4 * HB);
+            return _mm_cvtsi64_si128((long long)bits);
+        };
+        const __m512i h = four_lanes(high(0), high(1), high(2), high(3));
+        const __m512i of_lo = _mm512_shuffle_epi8(h, lanes_of(table.of_lo));
+        const __m512i of_hi = _mm512_shuffle_epi8(h, lanes_of(table.of_hi));
+        for (int b = 0; b < HB; ++b) {
+            const __m512i bit = lanes_of(table.bit[b]), add = _mm512_set1_epi8(char(16 << b));
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(of_lo, bit), add));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(of_hi, bit), add));
+        }
+    }
+}
+
 // The decode kernel's row bodies (decode_rows.h says what each computes). row_dot takes the
 // tag too, so that a later header's body for bfloat16 rows (bf16_dot.h) is found where there is
 // one, and taken as the more specific.

@@ -29,11 +29,12 @@ static inline __m512i quad_index() {
 }
 template <int BITS>
 static inline void load_quads(const uint8_t* rows, VD& u0, VD& u1) {
-    if constexpr (BITS == 4) {  // 4 rows of 16 bytes: (k, c) at 16k + c, low and high fields
-        const __m512i v = _mm512_loadu_si512(rows), low = _mm512_set1_epi8(15);
+    if constexpr (BITS < 8) {  // 4 rows' quants, lane k row k's (k, c) at 16k + c
+        __m512i lo, hi;
+        quant_lanes<BITS>(rows, lo, hi);
         const __m512i index = quad_index<16, 0>();
-        u0 = {_mm512_permutexvar_epi8(index, _mm512_and_si512(v, low))};
-        u1 = {_mm512_permutexvar_epi8(index, _mm512_and_si512(_mm512_srli_epi16(v, 4), low))};
+        u0 = {_mm512_permutexvar_epi8(index, lo)};
+        u1 = {_mm512_permutexvar_epi8(index, hi)};
     } else {  // 4 rows of 32 bytes: (k, c) at 32k + c of the 128 bytes a, b
         const __m512i a = _mm512_loadu_si512(rows), b = _mm512_loadu_si512(rows + 64);
         u0 = {_mm512_permutex2var_epi8(a, quad_index<32, 0>(), b)};

@@ -127,13 +127,19 @@ struct VD {
 };
 template <int BITS>
 static inline void load_quads(const uint8_t* rows, VD& u0, VD& u1) {
-    constexpr int ROW = 2 * VF::W * BITS / 8;
+    constexpr int ROW = 2 * VF::W * BITS / 8, HB = BITS - 4;
     for (int c = 0; c < VF::W; ++c) {
         uint32_t a = 0, b = 0;
         for (int k = 0; k < 4; ++k) {
             const uint8_t* r = rows + k * ROW;
-            const uint32_t lo = BITS == 4 ? r[c] & 15u : r[c];
-            const uint32_t hi = BITS == 4 ? uint32_t(r[c]) >> 4 : r[VF::W + c];
+            uint32_t lo = BITS == 8 ? r[c] : r[c] & 15u;
+            uint32_t hi = BITS == 8 ? r[VF::W + c] : uint32_t(r[c]) >> 4;
+            if constexpr (HB > 0 && HB < 4) {  // column c's HB high bits at bit HB * c
+                uint64_t high = 0;
+                std::memcpy(&high, r + VF::W, 2 * VF::W * HB / 8);
+                lo |= uint32_t(high >> (HB * c) & ((1u << HB) - 1)) << 4;
+                hi |= uint32_t(high >> (HB * (VF::W + c)) & ((1u << HB) - 1)) << 4;
+            }
             a |= lo << (8 * k);
             b |= hi << (8 * k);
         }
