@@ -50,12 +50,13 @@ def _add_model_options(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument(
         "--gguf-activations",
-        default="dtype",
-        choices=["dtype", "int8"],
-        help="what GGUF blocks kept quantized multiply: dtype (default) the activations as "
-        "they are, every weight exactly dequantized; int8 the activations rounded to int8 per "
-        "32 inputs and integer dot products, as llama.cpp (Q8_0, Q4_0, Q4_1, Q4_K; the "
-        "other formats stay exact)",
+        default="auto",
+        choices=["auto", "dtype", "int8"],
+        help="what GGUF blocks kept quantized multiply: int8 the activations rounded to int8 "
+        "per 32 inputs and integer dot products, as llama.cpp (every format: Q4_0 to Q8_0, "
+        "Q4_K, Q5_K, Q6_K); dtype the activations as they are, every weight exactly "
+        "dequantized (the exact path); auto (default) int8 wherever the blocks are kept "
+        "quantized",
     )
     g.add_argument(
         "--device",

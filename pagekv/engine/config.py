@@ -50,7 +50,7 @@ def parse_bytes(value: int | str, param: str) -> int:
 
 
 QUANTIZATION_MODES = ("auto", "gguf", "none")
-GGUF_ACTIVATIONS = ("dtype", "int8")
+GGUF_ACTIVATIONS = ("auto", "dtype", "int8")
 
 
 @dataclass(frozen=True)
@@ -61,10 +61,11 @@ class EngineConfig:
     # dequantize them as they multiply), "none" dequantizes them to dtype at load, "auto"
     # keeps them where the C kernels run here.
     quantization: str = "auto"
-    # What GGUF blocks kept quantized multiply: "dtype" the activations as they are (every
-    # weight exactly dequantized), "int8" the activations rounded per 32 inputs and integer
-    # dot products (llama.cpp's Q8 blocks), for the formats that have them.
-    gguf_activations: str = "dtype"
+    # What GGUF blocks kept quantized multiply: "int8" the activations rounded per 32 inputs
+    # and integer dot products (llama.cpp's Q8 blocks), "dtype" the activations as they are
+    # (every weight exactly dequantized: the exact path), "auto" int8 wherever the blocks are
+    # kept quantized.
+    gguf_activations: str = "auto"
     device: str = "auto"  # "cpu" | "cuda" | "auto" (CUDA when torch sees a GPU): engine/device.py
     gpu_memory_utilization: float = 0.9  # on a GPU: the share of its memory the engine may use
     block_size: int = 16

@@ -85,6 +85,14 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Loa
     return load_model(config.model, dtype, keep_quantized=keep)
 
 
+def int8_activations(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> bool:
+    """Whether the model's GGUF blocks multiply activations rounded to int8: as
+    ``config.gguf_activations`` says; "auto": wherever blocks are kept quantized (on the CPU)."""
+    if config.gguf_activations != "auto":
+        return config.gguf_activations == "int8"
+    return device.type == "cpu" and any(True for _ in loaded.model.quantized_weights())
+
+
 def _num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
     """Device KV blocks: the configured count, or as many as ``kv_cache_memory`` holds (on a
     GPU: as many as ``gpu_memory_utilization`` leaves room for)."""
@@ -156,7 +164,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size, num_host, num_threads=config.num_threads,
-            device=device, int8_activations=config.gguf_activations == "int8",
+            device=device, int8_activations=int8_activations(config, self.loaded, device),
         )  # fmt: skip
         self.tiers: TierManager | None = None
         load_cost = LoadCostModel()

@@ -6,9 +6,8 @@ projection; adjacent segments of one format are one run, their stripes simply fo
 other), and the calls that take it. Each weight is exactly gguf's dequantized value (quant.h
 says why), every output one float32 chain of FMAs, k ascending, whatever the batch: the
 stripes' contract (``fused_ops``). A weight packed with ``dots`` multiplies activations rounded
-to int8 per 32 inputs by integer dot products where its format has them (Q8_0, Q4_0, Q4_1,
-Q4_K: ``csrc/quant_dot.h``), llama.cpp's numbers rather than the exact ones; a row's output
-still does not depend on its batch.
+to int8 per 32 inputs by integer dot products (every format: ``csrc/quant_dot.h``), llama.cpp's
+numbers rather than the exact ones; a row's output still does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ class PackedQuant(layer_ops.OpsLayout):
     data: torch.Tensor  # uint8
     shape: tuple[int, int]
     runs: tuple[Run, ...]
-    dots: bool = False  # int8 activations where a run's format has dot products
+    dots: bool = False  # its matmuls round the activations to int8 (integer dot products)
 
     @property
     def nbytes(self) -> int:

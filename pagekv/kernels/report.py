@@ -94,7 +94,7 @@ def describe_weights(model: LlamaForCausalLM) -> dict[str, str]:
     if not types:
         return {"weights": dtype, "weight_bytes": str(resident)}
     kept = " + ".join(f"{t} x{n}" for t, n in sorted(types.items()))
-    kept += ", int8 activations" if dots else ""
+    kept += ", int8 activations (exact: --gguf-activations dtype)" if dots else ""
     return {"weights": f"GGUF {kept}", "weight_bytes": str(resident), "gguf_bytes": str(blocks)}
 
 

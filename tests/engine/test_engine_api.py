@@ -261,8 +261,10 @@ def test_cli_sampling_options_reach_the_params() -> None:
 
 
 def test_cli_chat_answers_and_ends_on_empty_line() -> None:
+    # the exact path: int8 activations (the default) answer as llama.cpp does, "L'Étoile, ..."
+    exact = ("--gguf-activations", "dtype")
     proc = subprocess.run(
-        [sys.executable, "-m", "pagekv.cli", "chat", "--max-tokens", "24"],
+        [sys.executable, "-m", "pagekv.cli", "chat", "--max-tokens", "24", *exact],
         input="What is the capital of France?\n\n",
         capture_output=True,
         text=True,

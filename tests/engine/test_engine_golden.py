@@ -195,9 +195,10 @@ def test_greedy_equals_transformers_with_gguf_weights_on_every_kernel_target(
     reference: list[Reference],
     kernel_target: str,
 ) -> None:
-    """The file's quant blocks multiplied by the kernels, dequantized in registers to the
-    reference's own float32 weights: the same tokens."""
-    llm = make_llm(loaded_gguf, block_size=16, num_kv_blocks=1024)
+    """The exact path (``gguf_activations="dtype"``): the file's quant blocks multiplied by
+    the kernels, dequantized in registers to the reference's own float32 weights: the same
+    tokens."""
+    llm = make_llm(loaded_gguf, block_size=16, num_kv_blocks=1024, gguf_activations="dtype")
     assert llm.engine.runner.kernels["weights"].startswith("GGUF")
     _assert_greedy_matches(llm, prompt_ids, reference)
     check_no_leak(llm.engine.kv)
@@ -211,7 +212,12 @@ def test_greedy_equals_transformers_with_gguf_weights_prefix_hits_and_preemption
     block_size: int,
 ) -> None:
     """Few blocks: prompts share a cached prefix, and requests are preempted and recomputed."""
-    llm = make_llm(loaded_gguf, block_size=block_size, num_kv_blocks=800 // block_size)
+    llm = make_llm(
+        loaded_gguf,
+        block_size=block_size,
+        num_kv_blocks=800 // block_size,
+        gguf_activations="dtype",
+    )
     # the second copies hit the first ones' blocks
     _assert_greedy_matches(llm, prompt_ids + prompt_ids, reference + reference)
     stats = llm.engine.stats()

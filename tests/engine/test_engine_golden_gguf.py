@@ -90,7 +90,7 @@ def test_the_file_has_every_quantized_type(mixed: LoadedModel) -> None:
 def test_greedy_equals_transformers_on_every_kernel_target(
     mixed: LoadedModel, mixed_reference: list[Any], kernel_target: str
 ) -> None:
-    llm = make_llm(mixed, block_size=16, num_kv_blocks=512)
+    llm = make_llm(mixed, block_size=16, num_kv_blocks=512, gguf_activations="dtype")
     ids = [mixed.tokenizer.encode(p) for p in PROMPTS]
     _assert_greedy_matches(llm, ids, mixed_reference)
     check_no_leak(llm.engine.kv)

@@ -274,14 +274,18 @@ def test_quantized_model_gives_the_dense_models_logits(
 
 def test_engine_choice_and_its_line(gguf_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """quantization 'auto' keeps the file's blocks where a kernel target is selected (this
-    CPU's, or PAGEKV_CPU_ISA's), and dequantizes them where the kernels are off."""
+    CPU's, or PAGEKV_CPU_ISA's), and dequantizes them where the kernels are off; kept, they
+    multiply int8 activations by default, and the line names the flag of the exact path."""
     if isa.selected() is not None:  # the suite's run with PAGEKV_CPU_ISA=none has none
         auto = LLMEngine(EngineConfig(model=gguf_path, num_kv_blocks=64))
-        assert auto.runner.kernels["weights"] == "GGUF Q4_1 x210 + Q8_0 x1"
-        assert "weights GGUF Q4_1 x210 + Q8_0 x1" in auto.system_line
+        int8 = "GGUF Q4_1 x210 + Q8_0 x1, int8 activations (exact: --gguf-activations dtype)"
+        assert auto.runner.kernels["weights"] == int8
+        assert f"weights {int8}" in auto.system_line
         # the stripes keep the file's scales as they are: about the file's bytes
         kept, file = auto.runner.kernels["weight_bytes"], auto.runner.kernels["gguf_bytes"]
         assert int(kept) < 1.01 * int(file)
+        exact = LLMEngine(EngineConfig(model=gguf_path, num_kv_blocks=64, gguf_activations="dtype"))
+        assert exact.runner.kernels["weights"] == "GGUF Q4_1 x210 + Q8_0 x1"
     dense = LLMEngine(EngineConfig(model=gguf_path, num_kv_blocks=64, quantization="none"))
     assert dense.runner.kernels["weights"] == "float32"
     monkeypatch.setenv("PAGEKV_CPU_ISA", "none")  # no kernels: auto dequantizes
@@ -298,7 +302,7 @@ def test_bad_quantization_values_are_refused(tmp_path: object) -> None:
     assert err.value.param == "quantization"
     with pytest.raises(InvalidRequestError) as err:
         EngineConfig(gguf_activations="int4")
-    assert err.value.param == "gguf_activations" and "['dtype', 'int8']" in str(err.value)
+    assert err.value.param == "gguf_activations" and "['auto', 'dtype', 'int8']" in str(err.value)
     for settings in ({"quantization": "none"}, {"model": str(tmp_path)}):
         with pytest.raises(InvalidRequestError) as err:  # nothing would round to int8
             LLMEngine(EngineConfig(gguf_activations="int8", **settings))  # type: ignore[arg-type]

@@ -2,7 +2,8 @@
 query heads on one kv head, five sliding layers to one global, a 262,144-piece SentencePiece
 vocabulary): pagekv reads its shape and tokenizer as transformers does, and its greedy tokens,
 blocks kept quantized, equal transformers' float32 run on the same file on every kernel
-target, with a prompt longer than the sliding window among them.
+target on the exact path, with a prompt longer than the sliding window among them; with int8
+activations (the default) they agree by the bf16 rule.
 """
 
 from __future__ import annotations
@@ -19,7 +20,19 @@ from pagekv.core.invariants import check_no_leak
 from pagekv.models.loader import LoadedModel, load_model
 from pagekv.runner import attention_backends
 from pagekv.runner.fast_attention import FastAttention
-from tests.engine.test_engine_golden import _assert_greedy_matches, _greedy_reference, make_llm
+from tests.engine.test_engine_golden import (
+    NUM_NEW_TOKENS,
+    _assert_greedy_matches,
+    _greedy_reference,
+    make_llm,
+)
+from tests.engine.test_engine_golden_bf16 import agreed_tokens
+from tests.engine.test_engine_golden_int8 import (
+    INT8_LOGPROB_TOL,
+    INT8_MEAN_LOGPROB_TOL,
+    INT8_TIE_MARGIN,
+    MIN_COMPARED_FRACTION,
+)
 
 pytestmark = pytest.mark.model
 
@@ -83,10 +96,27 @@ def test_tokenizer_equals_transformers(gemma3_path: str, gemma: LoadedModel) -> 
 def test_greedy_equals_transformers_on_every_kernel_target(
     gemma: LoadedModel, hf_reference: list[Any], kernel_target: str
 ) -> None:
-    llm = make_llm(gemma, block_size=16, num_kv_blocks=256)
+    llm = make_llm(gemma, block_size=16, num_kv_blocks=256, gguf_activations="dtype")
     assert llm.engine.runner.kernels["kernel_target"] == kernel_target
     ids = [gemma.tokenizer.encode(p) for p in PROMPTS]
     _assert_greedy_matches(llm, ids, hf_reference)
+    check_no_leak(llm.engine.kv)
+
+
+def test_int8_greedy_near_transformers_on_every_kernel_target(
+    gemma: LoadedModel, hf_reference: list[Any], kernel_target: str
+) -> None:
+    """The default path: every type of the file (Q4_K, Q5_0, Q6_K, Q8_0) multiplies
+    activations rounded to int8 by integer dot products."""
+    llm = make_llm(gemma, block_size=16, num_kv_blocks=256)
+    assert "int8 activations" in llm.engine.runner.kernels["weights"]
+    ids = [gemma.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    agreed = agreed_tokens(
+        outs, hf_reference, INT8_TIE_MARGIN, INT8_LOGPROB_TOL, INT8_MEAN_LOGPROB_TOL
+    )
+    assert agreed >= MIN_COMPARED_FRACTION * NUM_NEW_TOKENS * len(PROMPTS)
     check_no_leak(llm.engine.kv)
 
 

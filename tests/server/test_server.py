@@ -15,7 +15,6 @@ import pytest
 from pagekv.engine import LLMEngine
 from pagekv.engine.config import EngineConfig
 from pagekv.llm import LLM
-from pagekv.models.loader import LoadedModel
 from pagekv.sampling_params import SamplingParams
 from tests.server.support import ServerProcess, nothing_in_use, start_server, wait_until
 
@@ -46,8 +45,9 @@ def model(client: openai.OpenAI) -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(loaded: LoadedModel) -> LLM:
-    return LLM.from_engine(LLMEngine(EngineConfig(num_kv_blocks=NUM_BLOCKS), loaded))
+def llm() -> LLM:
+    """The server's engine offline: the default model with the same (default) settings."""
+    return LLM.from_engine(LLMEngine(EngineConfig(num_kv_blocks=NUM_BLOCKS)))
 
 
 def offline(llm: LLM, prompt: str | list[int], **kwargs: object) -> str:
