@@ -5,7 +5,8 @@
     python benchmarks/compare.py --workload random --engines llamacpp,pagekv-serve --limit 16
 
 Same workload (benchmarks/workloads.py), same weights (the default SmolLM2 GGUF, or ``--model``;
-vLLM reads the HF directory that setup_vllm_cpu.sh converts from the default one), same dtype
+vLLM reads the HF directory that setup_vllm_cpu.sh converts from the default one, or
+``--vllm-model``, which shape_model.py --hf writes beside a shape's GGUF file), same dtype
 and thread count. Engines run in alternating rounds (pagekv, hf, vllm, llamacpp, pagekv-serve,
 pagekv, ...) so drift in this shared machine's load hits all of them; each figure is a ratio of
 medians (median output tokens / median seconds), with every round's raw numbers printed.
@@ -237,12 +238,13 @@ class VllmProcess:
         extras: list[dict[str, Any]],
         speculative_tokens: int = 0,
         limit: int | None = None,
+        model_dir: Path = VLLM_MODEL_DIR,
     ) -> None:
         self.command = [
             str(VLLM_PYTHON),
             str(REPO / "benchmarks" / "vllm_offline.py"),
             "--model",
-            str(VLLM_MODEL_DIR),
+            str(model_dir),
             "--workload",
             workload_name,
             "--dtype",
@@ -368,11 +370,14 @@ def vllm_runner(
     extras: list[dict[str, Any]],
     speculative_tokens: int = 0,
     limit: int | None = None,
+    model_dir: Path = VLLM_MODEL_DIR,
 ) -> VllmProcess | None:
-    if not VLLM_PYTHON.exists() or not VLLM_MODEL_DIR.exists():
+    if not VLLM_PYTHON.exists() or not model_dir.exists():
         print("vllm: benchmarks/.venv-vllm not set up (run benchmarks/setup_vllm_cpu.sh)")
         return None
-    return VllmProcess(workload_name, dtype, num_threads, extras, speculative_tokens, limit)
+    return VllmProcess(
+        workload_name, dtype, num_threads, extras, speculative_tokens, limit, model_dir
+    )
 
 
 WARM_UP_PROMPT = list(range(100, 164))  # the offline warm-up's ids: no workload prompt's prefix
@@ -770,8 +775,14 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default=None,
-        help="GGUF for pagekv, pagekv-serve, llamacpp and hf (default: the default model); "
-        "vllm keeps setup_vllm_cpu.sh's conversion of the default model",
+        help="GGUF for pagekv, pagekv-serve, llamacpp and hf (default: the default model)",
+    )
+    parser.add_argument(
+        "--vllm-model",
+        type=Path,
+        default=VLLM_MODEL_DIR,
+        help="HF directory for vllm: the same weights as --model (shape_model.py --hf); "
+        "default: setup_vllm_cpu.sh's conversion of the default model",
     )
     parser.add_argument(
         "--concurrency",
@@ -836,12 +847,18 @@ def main() -> None:
                 subset, args.dtype, args.hf_batch, args.hf_model, args.model
             )
             workloads[hf_name] = subset
-        if args.model and any(e.startswith("vllm") for e in engines):
-            print(f"vllm: runs {VLLM_MODEL_DIR} (the default model), not --model {args.model}")
+        if any(e.startswith("vllm") for e in engines):
+            print(f"vllm: runs {args.vllm_model}")
         for name, tokens in (("vllm", 0), ("vllm-ngram", args.ngram_tokens)):
             if name in engines and (
                 vllm := vllm_runner(
-                    args.workload, args.dtype, args.num_threads, vllm_extras, tokens, args.limit
+                    args.workload,
+                    args.dtype,
+                    args.num_threads,
+                    vllm_extras,
+                    tokens,
+                    args.limit,
+                    args.vllm_model,
                 )
             ):
                 runners[name] = vllm

@@ -1,11 +1,14 @@
 """GGUF files of a real model's widths with random weights, for benchmarks.
 
-    python benchmarks/shape_model.py qwen2.5-1.5b [--type Q4_K_M] [--out DIR]
+    python benchmarks/shape_model.py qwen2.5-1.5b [--type Q4_K_M[,Q8_0]] [--hf] [--out DIR]
 
 Writes ``DIR/<shape>-f16.gguf`` (gguf's writer: float16 matmul weights, float32 norms and
 biases, SmolLM2's tokenizer so that pagekv and llama.cpp both load it) and, with ``--type``
 other than F16, quantizes it with llama.cpp's ``llama-quantize`` (benchmarks/setup_llama_cpp.sh
-builds it) to ``DIR/<shape>-<type>.gguf``. Prints the path of the last file. Only the widths
+builds it) to ``DIR/<shape>-<type>.gguf``. ``--hf`` also writes ``DIR/<shape>-<type>-hf/``: that
+file's weights as transformers dequantizes them, saved as a bf16 HF directory (safetensors,
+config, tokenizer) for vLLM (``compare.py --vllm-model``): the same weights in every engine.
+Prints the path of each file. Only the widths
 are the model's: the vocabulary is SmolLM2's 49,152 pieces (a benchmark of prefill computes
 logits for one position per request), the weights normal with std 0.02, so the tokens mean
 nothing. Each file is kept and reused when it exists.
@@ -137,13 +140,48 @@ def build(name: str, quant_type: str = "Q4_K_M", out: Path = DEFAULT_DIR) -> Pat
     return target
 
 
+def hf_directory(gguf_path: Path) -> Path:
+    """``<file>-hf/``: the GGUF file dequantized by transformers, saved as a bf16 HF directory
+    (written, or found from before)."""
+    out = gguf_path.with_name(gguf_path.stem + "-hf")
+    if (out / "config.json").exists():
+        return out
+    import torch
+    import transformers
+
+    kwargs = {"gguf_file": gguf_path.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), dtype=torch.bfloat16, **kwargs
+    )
+    # a GGUF-loaded model refuses save_pretrained ("quantized with gguf"), though its weights
+    # are already dequantized: move them into a plain model built from the same config
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    partial = out.with_name(out.name + ".partial")
+    plain.save_pretrained(partial)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    tokenizer.save_pretrained(partial)
+    partial.rename(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
-    parser.add_argument("--type", default="Q4_K_M", help="llama-quantize's type, or F16")
+    parser.add_argument(
+        "--type", default="Q4_K_M", help="llama-quantize's types, comma-separated, or F16"
+    )
+    parser.add_argument("--hf", action="store_true", help="an HF directory of each file too")
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
     args = parser.parse_args()
-    print(build(args.shape, args.type, args.out))
+    for quant_type in args.type.split(","):
+        path = build(args.shape, quant_type, args.out)
+        print(path)
+        if args.hf:
+            print(hf_directory(path))
 
 
 if __name__ == "__main__":

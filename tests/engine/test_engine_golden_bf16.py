@@ -177,9 +177,11 @@ def test_bf16_with_gguf_weights_near_transformers_bf16(
     reference_bf16: list[Reference],
     kernel_target: str,
 ) -> None:
-    """bf16 activations and KV with the file's quant blocks as weights (each exactly its
-    float32 value, where the reference rounds it to bf16): the same rule."""
-    config = EngineConfig(dtype="bfloat16", num_kv_blocks=1024, check_invariants=True)
+    """bf16 activations and KV with the file's quant blocks as weights on the exact path (each
+    weight exactly its float32 value, where the reference rounds it to bf16): the same rule."""
+    config = EngineConfig(
+        dtype="bfloat16", gguf_activations="dtype", num_kv_blocks=1024, check_invariants=True
+    )
     llm = LLM.from_engine(LLMEngine(config, loaded_bf16_gguf))
     assert llm.engine.runner.kernels["weights"].startswith("GGUF")
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
