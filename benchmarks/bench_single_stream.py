@@ -2,7 +2,7 @@
 
     python benchmarks/bench_single_stream.py [--targets avx2,avx512bf16] [--dtypes float32,bfloat16]
                                              [--quantization gguf,none] [--prompt-tokens 256]
-                                             [--gguf-activations dtype,int8]
+                                             [--gguf-activations auto,dtype,int8]
                                              [--new-tokens 128] [--rounds 3] [--model GGUF]
                                              [--num-threads N] [--llama-bench]
 
@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagekv import SamplingParams
+from pagekv.bench.roofline import measure_peaks
 from pagekv.engine import LLMEngine
 from pagekv.engine.config import EngineConfig
 from pagekv.kernels import isa
@@ -102,7 +103,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--quantization", default="gguf,none")
     parser.add_argument(
-        "--gguf-activations", default="dtype", help="with GGUF blocks: dtype and/or int8"
+        "--gguf-activations",
+        default="auto",
+        help="with GGUF blocks: auto (the default: int8), dtype (exact) and/or int8",
     )
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -121,6 +124,8 @@ def main() -> None:
         raise SystemExit(f"{LLAMA_CPP_BIN / 'llama-bench'} missing: run setup_llama_cpp.sh")
     prompt = [(17 + 31 * i) % 40000 + 100 for i in range(args.prompt_tokens)]
     engines: dict[tuple[str, str, str, str], LLMEngine] = {}
+    labels: dict[tuple[str, ...], str] = {}
+    weight_bytes: dict[tuple[str, ...], int] = {}
     target_env = os.environ.get(isa.ISA_ENV)
     for target, dtype, quantization, activations in itertools.product(
         args.targets.split(","),
@@ -128,7 +133,7 @@ def main() -> None:
         args.quantization.split(","),
         args.gguf_activations.split(","),
     ):
-        if quantization == "none" and activations != "dtype":
+        if quantization == "none" and activations == "int8":
             continue  # dequantized weights multiply the activations as they are
         os.environ[isa.ISA_ENV] = target  # read as the runner loads its kernels
         config = EngineConfig(
@@ -142,8 +147,13 @@ def main() -> None:
         engine = LLMEngine(config)
         print(engine.system_line, file=sys.stderr)
         one_request(engine, prompt, 8)  # warm-up
-        engines[(target, dtype, quantization, activations)] = engine
+        key = (target, dtype, quantization, activations)
+        engines[key] = engine
+        kernels = engine.runner.kernels
+        labels[key] = weights_label(kernels["weights"], dtype, activations)
+        weight_bytes[key] = int(kernels.get("gguf_bytes", kernels["weight_bytes"]))
     threads = torch.get_num_threads()  # the engines' (EngineConfig.num_threads sets it)
+    read_peak = measure_peaks(threads).read_bytes
     results: dict[tuple[str, ...], list[tuple[float, float]]] = {k: [] for k in engines}
     llama: list[tuple[float, float]] = []
     for _ in range(args.rounds):
@@ -157,7 +167,9 @@ def main() -> None:
         f"{args.new_tokens} new tokens, median of {args.rounds}"
     )
     print(setting)
-    columns, rows = table(results, llama)
+    if read_peak:
+        print(f"memory read peak ({threads} threads): {read_peak / 1e9:.1f} GB/s")
+    columns, rows = table(results, llama, labels, weight_bytes, read_peak)
     print("| " + " | ".join(columns) + " |")
     print("|" + " --- |" * len(columns))
     for row in rows:
@@ -167,6 +179,12 @@ def main() -> None:
         os.environ.pop(isa.ISA_ENV, None)
         os.environ.update({isa.ISA_ENV: target_env} if target_env is not None else {})
         note = f"{setting}. Decode tok/s: (new tokens - 1) over the decode steps"
+        if read_peak:
+            note += (
+                "; of roofline: the weights' bytes (a GGUF file's: its blocks) read per token "
+                f"at the decode rate, against this machine's measured read peak, "
+                f"{read_peak / 1e9:.1f} GB/s"
+            )
         if llama:
             note += "; the last column divides by llama-bench's decode on the same file"
         title = "Single-stream decode per kernel target, dtype and weights"
@@ -174,19 +192,34 @@ def main() -> None:
         record.save(args.record or "single_stream", title, columns, rows, note + ".")
 
 
+def weights_label(weights: str, dtype: str, activations: str) -> str:
+    """How a row's weights multiply, from the engine's own description of them."""
+    if not weights.startswith("GGUF"):
+        return f"{dtype} (dequantized)"
+    label = "GGUF blocks, " + ("int8 activations" if "int8" in weights else "exact")
+    return label + (" (default)" if activations == "auto" else "")
+
+
 def table(
-    results: dict[tuple[str, ...], list[tuple[float, float]]], llama: list[tuple[float, float]]
+    results: dict[tuple[str, ...], list[tuple[float, float]]],
+    llama: list[tuple[float, float]],
+    labels: dict[tuple[str, ...], str],
+    weight_bytes: dict[tuple[str, ...], int],
+    read_peak: float | None,
 ) -> tuple[list[str], list[list[record.Cell]]]:
     """The Markdown table's columns and rows: medians per engine, llama-bench's last."""
     columns = ["target", "dtype", "weights", "decode tok/s", "prefill s"]
+    if read_peak:
+        columns.append("of roofline")
     llama_decode = statistics.median(r[1] for r in llama) if llama else None
     rows: list[list[record.Cell]] = []
-    for (target, dtype, quantization, activations), runs in results.items():
+    for key, runs in results.items():
+        target, dtype = key[0], key[1]
         decode = statistics.median(r[1] for r in runs)
         prefill = statistics.median(r[0] for r in runs)
-        weights = "GGUF blocks" if quantization == "gguf" else f"{dtype} (dequantized)"
-        weights += ", int8 activations" if activations == "int8" else ""
-        rows.append([target, dtype, weights, round(decode, 1), round(prefill, 3)])
+        rows.append([target, dtype, labels[key], round(decode, 1), round(prefill, 3)])
+        if read_peak:
+            rows[-1].append(f"{decode * weight_bytes[key] / read_peak:.0%}")
         if llama_decode:
             rows[-1].append(f"{decode / llama_decode:.2f}x")
     if llama_decode:
@@ -194,7 +227,7 @@ def table(
         prefill = statistics.median(r[0] for r in llama)
         llama_row: list[record.Cell] = ["llama.cpp llama-bench", "f16 KV", "GGUF blocks"]
         llama_row.append(round(llama_decode, 1))
-        rows.append([*llama_row, round(prefill, 3), "1.00x"])
+        rows.append([*llama_row, round(prefill, 3), *([""] if read_peak else []), "1.00x"])
     return columns, rows
 
 

@@ -69,12 +69,14 @@ class QuantWeight(ctypes.Structure):
 
 class StackMatmul(ctypes.Structure):
     """A matmul of a layer stack: a QuantWeight's address (``quant``), or a dense weight's tiles
-    or stripes (``packed``) and what multiplies the tiles (``unit``)."""
+    or stripes (``packed``) and what multiplies the tiles (``unit``); its bias's address or
+    None (``bias``)."""
 
     _fields_ = [
         ("quant", ctypes.c_void_p),
         ("packed", ctypes.c_void_p),
         ("unit", ctypes.c_long),
+        ("bias", ctypes.c_void_p),
     ]
 
 

@@ -270,18 +270,21 @@ class FusedOps(RowOps):
         self, layers: Sequence[layer_ops.StackLayer], final_norm: torch.Tensor
     ) -> Stack | None:
         """The layers for ``decoder_stack_*`` (layer_stack.py), where every matmul is one the
-        layer halves' one C call takes (all quantized stripes, all float32 stripes, or all
-        bf16 tiles or stripes), no bias, and every layer has the first one's shapes; None
-        otherwise."""
+        layer halves' one C call takes (all quantized stripes, which may have biases of the
+        activations' dtype; all float32 stripes, or all bf16 tiles or stripes, without), and
+        every layer has the first one's shapes; None otherwise."""
         linears = [lin for layer in layers for lin in layer.matmuls]
         dtype = final_norm.dtype
+        if not all(_stack_bias_fits(lin, dtype) for lin in linears):
+            return None
         if dtype in SUFFIXES and all(
-            isinstance(lin.packed, PackedQuant)
-            and lin.packed.shape == lin.weight.shape
-            and lin.bias is None
+            isinstance(lin.packed, PackedQuant) and lin.packed.shape == lin.weight.shape
             for lin in linears
         ):
-            matmuls = [abi.StackMatmul(quant=_quant(lin.packed)) for lin in linears]
+            matmuls = [
+                abi.StackMatmul(quant=_quant(lin.packed), bias=_address(lin.bias))
+                for lin in linears
+            ]
             function, rows, unit = self._quant_stack[dtype], ONE_CALL_MAX_ROWS, None
         elif self._fits_dense(final_norm, tuple(linears)):
             unit = self.dense.unit if dtype == torch.bfloat16 else None  # float32: no tiles
@@ -335,7 +338,8 @@ class FusedOps(RowOps):
 
     def _fits_dense(self, residual: torch.Tensor, linears: tuple[layer_ops.Linear, ...]) -> bool:
         """Whether every matmul is a dense weight of the residual's dtype (float32 or bf16),
-        without bias, packed as the C halves multiply it (``DenseKernels.decode_layout``)."""
+        without bias (a dense linear adds it in torch's matmul), packed as the C halves
+        multiply it (``DenseKernels.decode_layout``)."""
         dtype = residual.dtype
         if dtype not in SUFFIXES:
             return False
@@ -348,6 +352,19 @@ class FusedOps(RowOps):
             if packed.shape != self.dense.decode_layout(out_features, in_features, dtype):
                 return False
         return True
+
+
+def _stack_bias_fits(linear: layer_ops.Linear, dtype: torch.dtype) -> bool:
+    """Whether the layer stack can add the matmul's bias: none, or one contiguous row of the
+    activations' dtype."""
+    bias = linear.bias
+    return bias is None or (
+        bias.dtype == dtype and bias.is_contiguous() and bias.shape == linear.weight.shape[:1]
+    )
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
 
 
 def _quant(packed: layer_ops.Packed) -> int:

@@ -166,21 +166,19 @@ class LlamaDecoderLayer(nn.Module):
         )
 
     def stack_layer(self) -> StackLayer | None:
-        """This layer as a layer stack runs it, or None where it is not the plain layer (a
-        subclass that changes either half, a bias)."""
+        """This layer as a layer stack runs it (q/k/v and o biases included), or None where it
+        is not the plain layer (a subclass that changes either half)."""
         plain = LlamaDecoderLayer
         if (
             type(self).forward is not plain.forward
             or type(self).attention_inputs is not plain.attention_inputs
-            or self.qkv_bias is not None
-            or self.o_bias is not None
         ):
             return None
         return StackLayer(
             self.input_layernorm,
-            self._projection("qkv_proj"),
+            self._projection("qkv_proj", self.qkv_bias),
             self.post_attention_layernorm,
-            self._projection("o_proj"),
+            self._projection("o_proj", self.o_bias),
             self._projection("gate_up_proj"),
             self._projection("down_proj"),
         )

@@ -22,6 +22,7 @@ from pagekv.engine import LLMEngine
 from pagekv.engine.config import EngineConfig
 from pagekv.kernels import fused_ops, isa
 from pagekv.kernels.decode import DecodeBatch
+from pagekv.models.loader import load_model
 from pagekv.runner.attention_backends import CpuKernelBackend
 from pagekv.runner.fast_attention import FastAttention
 
@@ -117,6 +118,53 @@ def test_the_stack_gives_the_layers_bits(
         ):
             assert tokens == ref_tokens
             assert logprobs == ref_logprobs  # exactly: the same kernels in the same order
+
+
+BIAS_CASES = [
+    ("gguf", "float32", "int8"),
+    ("gguf", "float32", "dtype"),
+    ("gguf", "bfloat16", "dtype"),
+]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=["-".join(c) for c in BIAS_CASES])
+def test_biases_go_through_the_stack_with_the_layers_bits(
+    kernel_target: str, case: tuple[str, str, str], gguf_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """q/k/v and o biases (Qwen2's, and a subclass's) on GGUF weights: the stack adds them
+    after its matmuls as the layers add them one by one, so the same bits. (Dense weights with
+    a bias go layer by layer: torch's linear adds it.)"""
+    quantization, dtype, activations = case
+    if fused_ops.load() is None:
+        pytest.skip(f"no fused ops on kernel target {kernel_target}")
+    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    loaded = load_model(gguf_path, torch_dtype, keep_quantized=quantization == "gguf")
+    generator = torch.Generator().manual_seed(0)
+    for layer in loaded.model.layers:
+        for name, rows in (
+            ("qkv_bias", layer.qkv_proj.shape[0]),
+            ("o_bias", layer.o_proj.shape[0]),
+        ):
+            bias = torch.randn(rows, generator=generator) * 0.5
+            setattr(layer, name, torch.nn.Parameter(bias.to(torch_dtype), requires_grad=False))
+    config = EngineConfig(
+        dtype=dtype,
+        quantization=quantization,
+        gguf_activations=activations,
+        enable_prefix_caching=False,
+    )
+    engine = LLMEngine(config, loaded)
+    calls = stack_calls(engine, monkeypatch)
+    with_stack = run(engine)
+    assert calls and all(calls), "the decode steps did not go through the stack"
+    with monkeypatch.context() as patch:
+        patch.setattr(FastAttention, "native", lambda *args: None)
+        calls.clear()
+        layer_by_layer = run(engine)
+        assert not calls
+    assert with_stack == layer_by_layer
+    without = LLMEngine(config, load_model(gguf_path, torch_dtype))
+    assert run(without) != with_stack  # the biases change the tokens: they were added
 
 
 def test_a_slot_outside_the_pool_is_an_error_with_nothing_written(

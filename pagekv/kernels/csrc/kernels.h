@@ -208,11 +208,14 @@ int mlp_block_quant_bf16(const void* attn, void* residual, const QuantWeight* o,
 // `table`. 0; -1 (nothing written) where a matmul does not take the shape; 1 where the
 // attention failed. A matmul of the stack: for decoder_stack_quant_* a GGUF weight (`quant`),
 // for decoder_stack_dense_* a dense weight of the activations' type in tiles or stripes
-// (`packed`, and `unit`: what multiplies the tiles), as the layer halves take them.
+// (`packed`, and `unit`: what multiplies the tiles), as the layer halves take them; `bias`
+// (GGUF weights only): null, or the output's bias [N] in the activations' type, added after
+// the matmul (Qwen2's q/k/v), rounded as torch's add.
 struct StackMatmul {
     const QuantWeight* quant;
     const void* packed;
     long unit;
+    const void* bias;
 };
 struct StackLayer {
     const void* input_norm;

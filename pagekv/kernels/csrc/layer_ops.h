@@ -21,6 +21,13 @@ template <> inline uint16_t store<uint16_t>(float f) { return f32_to_bf16(f); }
 // The value torch holds after rounding to the dtype.
 template <typename T> static inline float round_to(float f) { return load(store<T>(f)); }
 
+// out [M, N] += bias [N], each sum rounded to T (torch's add_).
+template <typename T>
+static void add_bias(T* out, const T* bias, long M, long N) {
+    for (long m = 0; m < M; ++m)
+        for (long n = 0; n < N; ++n) out[m * N + n] = store<T>(load(out[m * N + n]) + load(bias[n]));
+}
+
 // exp(x) for any x: Cephes' expf polynomial (rel. error ~2e-7), inf above 88.72, ~0 below -87.
 // No std::floor and no memcpy: GCC vectorizes neither. Always inlined: a call inside a loop
 // keeps the loop scalar, and GCC's own choice leaves it a call on some targets.

@@ -86,7 +86,8 @@ static int quant_weight_rows(const QuantWeight& w, const int64_t* ids, long n, f
 // A GGUF weight as the layer halves multiply it (layer_stack.h): each run by quant_linear.
 struct QuantDecodeMatmul {
     const QuantWeight* w;
-    static QuantDecodeMatmul of(const StackMatmul& m) { return {m.quant}; }
+    const void* bias = nullptr;  // StackMatmul's
+    static QuantDecodeMatmul of(const StackMatmul& m) { return {m.quant, m.bias}; }
     bool fits(long M, long K, long N) const {
         long columns = 0;
         for (long r = 0; r < w->num_runs; ++r) {
@@ -111,7 +112,7 @@ struct QuantDecodeMatmul {
         if (gate.bits != up.bits || gate.group != up.group || gate.superblock != up.superblock ||
             gate.offsets != up.offsets || gate.zero != up.zero)
             return -1;
-        if (w->dots != 0 || (!one_run && gate.columns != I)) return -1;
+        if (w->dots != 0 || bias != nullptr || (!one_run && gate.columns != I)) return -1;
         if (quant_tiles_fit<T>(M, K, I)) return -1;
         const uint8_t* stripes = (const uint8_t*)w->stripes;
         return with_run_format(gate, [&](auto f) {
@@ -133,5 +134,6 @@ struct QuantDecodeMatmul {
                          int(run.zero), int(w->dots), x, (const uint8_t*)w->stripes + run.offset,
                          out + run.first, M, K, run.columns, N, threads);
         }
+        if (bias != nullptr) add_bias<T>(out, (const T*)bias, M, N);
     }
 };
