@@ -91,14 +91,20 @@ def test_int8_greedy_near_transformers_float32(
         check_invariants=True,
     )
     llm = LLM.from_engine(LLMEngine(config, own_model))
-    assert "int8" in llm.engine.runner.kernels["weights"]
     ids = [own_model.tokenizer.encode(p) for p in PROMPTS]
+    assert_int8_agrees(llm, ids, reference_f32)
+
+
+def assert_int8_agrees(llm: LLM, ids: list[list[int]], references: list[Reference]) -> None:
+    """``llm`` multiplies int8 activations, and its greedy tokens for ``ids`` agree with the
+    float32 ``references`` by the bf16 rule with this module's tolerances; nothing leaks."""
+    assert "int8 activations" in llm.engine.runner.kernels["weights"]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
     agreed = agreed_tokens(
-        outs, reference_f32, INT8_TIE_MARGIN, INT8_LOGPROB_TOL, INT8_MEAN_LOGPROB_TOL
+        outs, references, INT8_TIE_MARGIN, INT8_LOGPROB_TOL, INT8_MEAN_LOGPROB_TOL
     )
-    total = NUM_NEW_TOKENS * len(PROMPTS)
-    print(f"int8 golden, block {block_size}: {agreed}/{total} tokens agree before a near tie")
+    total = NUM_NEW_TOKENS * len(ids)
+    print(f"int8 golden: {agreed}/{total} tokens agree before a near tie")
     assert agreed >= MIN_COMPARED_FRACTION * total, f"only {agreed}/{total} tokens compared"
     check_no_leak(llm.engine.kv)

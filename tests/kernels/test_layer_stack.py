@@ -87,6 +87,19 @@ def stack_calls(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[bool
     return calls
 
 
+def stack_and_layers(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """``run`` with every decode step through the stack, then with the stack never offered."""
+    calls = stack_calls(engine, monkeypatch)
+    with_stack = run(engine)
+    assert calls and all(calls), "the decode steps did not go through the stack"
+    with monkeypatch.context() as patch:
+        patch.setattr(FastAttention, "native", lambda *args: None)
+        calls.clear()
+        layer_by_layer = run(engine)
+        assert not calls
+    return with_stack, layer_by_layer
+
+
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
 def test_the_stack_gives_the_layers_bits(
     kernel_target: str, case: tuple[str, str, str], gguf_path: str, monkeypatch: pytest.MonkeyPatch
@@ -104,15 +117,7 @@ def test_the_stack_gives_the_layers_bits(
             block_size=block_size,
             enable_prefix_caching=False,
         )
-        engine = LLMEngine(config)
-        calls = stack_calls(engine, monkeypatch)
-        with_stack = run(engine)
-        assert calls and all(calls), "the decode steps did not go through the stack"
-        with monkeypatch.context() as patch:
-            patch.setattr(FastAttention, "native", lambda *args: None)
-            calls.clear()
-            layer_by_layer = run(engine)
-            assert not calls
+        with_stack, layer_by_layer = stack_and_layers(LLMEngine(config), monkeypatch)
         for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(
             with_stack, layer_by_layer, strict=True
         ):
@@ -153,15 +158,7 @@ def test_biases_go_through_the_stack_with_the_layers_bits(
         gguf_activations=activations,
         enable_prefix_caching=False,
     )
-    engine = LLMEngine(config, loaded)
-    calls = stack_calls(engine, monkeypatch)
-    with_stack = run(engine)
-    assert calls and all(calls), "the decode steps did not go through the stack"
-    with monkeypatch.context() as patch:
-        patch.setattr(FastAttention, "native", lambda *args: None)
-        calls.clear()
-        layer_by_layer = run(engine)
-        assert not calls
+    with_stack, layer_by_layer = stack_and_layers(LLMEngine(config, loaded), monkeypatch)
     assert with_stack == layer_by_layer
     without = LLMEngine(config, load_model(gguf_path, torch_dtype))
     assert run(without) != with_stack  # the biases change the tokens: they were added

@@ -20,19 +20,8 @@ from pagekv.core.invariants import check_no_leak
 from pagekv.models.loader import LoadedModel, load_model
 from pagekv.runner import attention_backends
 from pagekv.runner.fast_attention import FastAttention
-from tests.engine.test_engine_golden import (
-    NUM_NEW_TOKENS,
-    _assert_greedy_matches,
-    _greedy_reference,
-    make_llm,
-)
-from tests.engine.test_engine_golden_bf16 import agreed_tokens
-from tests.engine.test_engine_golden_int8 import (
-    INT8_LOGPROB_TOL,
-    INT8_MEAN_LOGPROB_TOL,
-    INT8_TIE_MARGIN,
-    MIN_COMPARED_FRACTION,
-)
+from tests.engine.test_engine_golden import _assert_greedy_matches, _greedy_reference, make_llm
+from tests.engine.test_engine_golden_int8 import assert_int8_agrees
 
 pytestmark = pytest.mark.model
 
@@ -109,15 +98,7 @@ def test_int8_greedy_near_transformers_on_every_kernel_target(
     """The default path: every type of the file (Q4_K, Q5_0, Q6_K, Q8_0) multiplies
     activations rounded to int8 by integer dot products."""
     llm = make_llm(gemma, block_size=16, num_kv_blocks=256)
-    assert "int8 activations" in llm.engine.runner.kernels["weights"]
-    ids = [gemma.tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
-    agreed = agreed_tokens(
-        outs, hf_reference, INT8_TIE_MARGIN, INT8_LOGPROB_TOL, INT8_MEAN_LOGPROB_TOL
-    )
-    assert agreed >= MIN_COMPARED_FRACTION * NUM_NEW_TOKENS * len(PROMPTS)
-    check_no_leak(llm.engine.kv)
+    assert_int8_agrees(llm, [gemma.tokenizer.encode(p) for p in PROMPTS], hf_reference)
 
 
 def test_sliding_layers_take_the_kernels_while_the_window_covers_every_sequence(
