@@ -19,11 +19,16 @@
 // unsigned bytes as they are (VNNI, the generic body) the bias is 0; vpmaddubsw's pairs would
 // overflow int16 at 8 bits, so there the 8-bit quants go in as signed (u - 128), with signs
 // moved onto x.
+//
+// A batch of rows is multiplied a stripe at a time: a few rows straight from the stripe, more
+// from its quads unpacked once into the thread's buffer (L2), so that unpacking is paid per
+// stripe rather than per pass of rows. Every row's sums are the same in either way.
 #pragma once
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #include "quant.h"
 
@@ -78,19 +83,76 @@ static Int8Rows round_rows(const float* x, long M, long K, int threads) {
     return {qs, scale, qsum, halves, K};
 }
 
-// Rows [m0, m0 + R) of x against one stripe -> out (row stride ldo).
-template <int R, class F, typename OT>
-static inline void dot_block(const Int8Rows& x, long m0, const QuantStripe<F>& src, OT* out,
-                             long ldo) {
+// Where a stripe's numbers come from, as dot_block reads them: per weight group at k0 its
+// scales s0, s1 and the offsets the biased sums need, o = m + DOT_BIAS * s (exact: a power of
+// two times s), and its quads j = 0 .. GROUP / 4 - 1 as dot4 takes them.
+// Read from the stripe itself (load_quads unpacks them each time: one pass of a few rows)...
+template <class F>
+struct PackedQuads {
+    const QuantStripe<F>& src;
+    struct Group {
+        VF s0, s1, o0, o1;
+        const uint8_t* rows;
+        void quads(int j, VD& u0, VD& u1) const {
+            load_quads<F::BITS>(rows + 4 * j * F::ROW_BYTES, u0, u1);
+        }
+    };
+    Group at(long k0) const {
+        const auto g = src.group(k0);
+        const VF bias = VF::set1(float(DOT_BIAS<F::BITS>));
+        return {g.s0, g.s1, fma(g.s0, bias, g.m0), fma(g.s1, bias, g.m1), g.rows};
+    }
+};
+
+// ... or unpacked once into a buffer of the thread's, where many rows go through the stripe:
+// the unpacking (the high bits' shuffles and tests) is then paid once, not once per DOT_ROWS.
+template <class F>
+struct UnpackedQuads {
+    struct Group {
+        VF s0, s1, o0, o1;
+        VD q[F::GROUP / 4][2];
+        void quads(int j, VD& u0, VD& u1) const {
+            u0 = q[j][0];
+            u1 = q[j][1];
+        }
+    };
+    const Group* groups;
+    const Group& at(long k0) const { return groups[k0 / F::GROUP]; }
+};
+// (a static function's buffer: one per library built, where a member function's static would
+// be one object shared by every target's library loaded in the process, each its own size)
+template <class F>
+static UnpackedQuads<F> unpack_stripe(const QuantStripe<F>& src, long K) {
+    using Group = typename UnpackedQuads<F>::Group;
+    static thread_local std::vector<Group> buffer;
+    if (long(buffer.size()) < K / F::GROUP) buffer.resize(K / F::GROUP);
+    const PackedQuads<F> packed{src};
+    for (long k0 = 0; k0 < K; k0 += F::GROUP) {
+        const auto g = packed.at(k0);
+        Group& u = buffer[k0 / F::GROUP];
+        u.s0 = g.s0, u.s1 = g.s1, u.o0 = g.o0, u.o1 = g.o1;
+        for (int j = 0; j < F::GROUP / 4; ++j) g.quads(j, u.q[j][0], u.q[j][1]);
+    }
+    return {buffer.data()};
+}
+// rows through one stripe from which its quads are unpacked first (more than one pass of
+// DOT_ROWS), and the rows of a pass then: with no unpacking in the loop, registers hold more
+// rows' sums
+static const long DOT_UNPACK_MIN_ROWS = DOT_ROWS + 1;
+static const int DOT_TILE_ROWS = VF::REGS >= 32 ? 6 : 3;
+
+// Rows [m0, m0 + R) of x against one stripe's quads (PackedQuads or UnpackedQuads) -> out
+// (row stride ldo).
+template <int R, class F, class Quads, typename OT>
+static inline void dot_block(const Int8Rows& x, long m0, const Quads& src, OT* out, long ldo) {
     const long K = x.K, groups = K / DOT_GROUP;
     VF acc[R][2];
     for (int m = 0; m < R; ++m) acc[m][0] = acc[m][1] = VF::zero();
-    const VF bias = VF::set1(float(DOT_BIAS<F::BITS>));
     constexpr int PARTS = DOT_GROUP / F::GROUP;  // weight groups per rounding group: 1 or 2
     for (long g = 0; g < groups; ++g)
         for (int part = 0; part < PARTS; ++part) {
             const long k0 = g * DOT_GROUP + part * F::GROUP;
-            const auto group = src.group(k0);
+            const auto& group = src.at(k0);
             // no software prefetch: a thread reads its stripes front to back, which the
             // hardware prefetchers follow; requests of its own only took load slots from the
             // dot products. P chains of dot products per sum, quads j = p, p + P, ...: with
@@ -103,7 +165,7 @@ static inline void dot_block(const Int8Rows& x, long m0, const QuantStripe<F>& s
             for (int j = 0; j < F::GROUP / 4; j += P)
                 for (int p = 0; p < P; ++p) {
                     VD u0, u1;
-                    load_quads<F::BITS>(group.rows + 4 * (j + p) * F::ROW_BYTES, u0, u1);
+                    group.quads(j + p, u0, u1);
                     for (int m = 0; m < R; ++m) {
                         int32_t quad;
                         std::memcpy(&quad, x.q + (m0 + m) * K + k0 + 4 * (j + p), 4);
@@ -117,14 +179,14 @@ static inline void dot_block(const Int8Rows& x, long m0, const QuantStripe<F>& s
                     sum[m][0][0] = sum[m][0][0] + sum[m][0][p];
                     sum[m][1][0] = sum[m][1][0] + sum[m][1][p];
                 }
-            // the offsets the biased sums need: m + bias * s (exact: a power of two times s)
-            const VF o0 = fma(group.s0, bias, group.m0), o1 = fma(group.s1, bias, group.m1);
             for (int m = 0; m < R; ++m) {
                 const long at = (m0 + m) * groups + g;
                 const VF a = VF::set1(x.scale[at]);
                 const VF qs = VF::set1(PARTS == 1 ? x.qsum[at] : x.halves[2 * at + part]);
-                acc[m][0] = fma(o0, qs, fma(sum[m][0][0].to_float(), group.s0 * a, acc[m][0]));
-                acc[m][1] = fma(o1, qs, fma(sum[m][1][0].to_float(), group.s1 * a, acc[m][1]));
+                acc[m][0] =
+                    fma(group.o0, qs, fma(sum[m][0][0].to_float(), group.s0 * a, acc[m][0]));
+                acc[m][1] =
+                    fma(group.o1, qs, fma(sum[m][1][0].to_float(), group.s1 * a, acc[m][1]));
             }
         }
     for (int m = 0; m < R; ++m) {
@@ -133,11 +195,10 @@ static inline void dot_block(const Int8Rows& x, long m0, const QuantStripe<F>& s
     }
 }
 
-template <int R, class F, typename OT>
-static void dot_rows(const Int8Rows& x, long m0, long rows, const QuantStripe<F>& src, OT* out,
-                     long ldo) {
-    if (rows == R) return dot_block<R>(x, m0, src, out, ldo);
-    if constexpr (R > 1) dot_rows<R - 1>(x, m0, rows, src, out, ldo);
+template <int R, class F, class Quads, typename OT>
+static void dot_rows(const Int8Rows& x, long m0, long rows, const Quads& src, OT* out, long ldo) {
+    if (rows == R) return dot_block<R, F>(x, m0, src, out, ldo);
+    if constexpr (R > 1) dot_rows<R - 1, F>(x, m0, rows, src, out, ldo);
 }
 
 // out [M, N] (row stride ldo) = x [M, K] rounded to int8 groups @ the N columns of
@@ -154,11 +215,18 @@ static int quant_dot_matmul(const float* x, const QuantStripes<F>& stripes, OT* 
     {
         const long t = omp_get_thread_num(), nt = omp_get_num_threads();
         for (long s = count * t / nt; s < count * (t + 1) / nt; ++s) {
-            const auto src = stripes.at(s);
-            for (long m0 = 0; m0 < M; m0 += DOT_ROWS) {
-                const long rows = M - m0 < DOT_ROWS ? M - m0 : DOT_ROWS;
-                dot_rows<DOT_ROWS>(rounded, m0, rows, src, out + m0 * ldo + s * STRIPE, ldo);
-            }
+            const auto stripe = stripes.at(s);
+            const auto through = [&](const auto& quads, auto rows_per_block) {
+                constexpr int R = decltype(rows_per_block)::value;
+                for (long m0 = 0; m0 < M; m0 += R) {
+                    const long rows = M - m0 < R ? M - m0 : R;
+                    dot_rows<R, F>(rounded, m0, rows, quads, out + m0 * ldo + s * STRIPE, ldo);
+                }
+            };
+            if (M >= DOT_UNPACK_MIN_ROWS)
+                through(unpack_stripe(stripe, K), std::integral_constant<int, DOT_TILE_ROWS>{});
+            else
+                through(PackedQuads<F>{stripe}, std::integral_constant<int, DOT_ROWS>{});
         }
     }
     return 0;
