@@ -149,6 +149,12 @@ def _add_tier_options(t: argparse._ArgumentGroup) -> None:
         help="write_through | write_through_selective | write_back (EngineConfig checks it)",
     )
     t.add_argument(
+        "--kv-store-secret",
+        default=None,
+        help="authenticate storage records with HMAC-SHA256 keyed by this secret, so forged "
+        "records in a shared store are refused; engines share records only with the same one",
+    )
+    t.add_argument(
         "--kv-store-required",
         action="store_true",
         help="fail at start-up if the store is unreachable (default: warn, run without it)",

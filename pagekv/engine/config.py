@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagekv.core.scheduler import PreemptionCostModel, PreemptionMode, SchedulingPolicy
 from pagekv.core.tier_policy import WritePolicy
@@ -77,6 +77,10 @@ class EngineConfig:
     cache_write_policy: str = "write_through"  # | "write_through_selective" | "write_back"
     kv_store_required: bool = False  # an unreachable store fails start-up (else: a warning)
     kv_store_timeout_s: float = 5.0  # per store call; also the longest wait for a prefetch
+    # Authenticates storage records with HMAC-SHA256 keyed by this secret (tiering/blob.py):
+    # a shared store's forged records are refused. None: a CRC32 only, as before. Engines
+    # sharing a store read each other's records only with the same secret (or both none).
+    kv_store_secret: str | None = field(default=None, repr=False)
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -143,6 +147,11 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise InvalidRequestError(
                 f"kv_store_timeout_s must be > 0, got {timeout!r}", "kv_store_timeout_s"
+            )
+        secret = self.kv_store_secret
+        if secret is not None and (not isinstance(secret, str) or not secret):
+            raise InvalidRequestError(
+                "kv_store_secret must be a non-empty string or None", "kv_store_secret"
             )
         _check_one_of("preemption_mode", self.preemption_mode, [m.value for m in PreemptionMode])
         policies = [p.value for p in SchedulingPolicy]

@@ -22,9 +22,25 @@ Prefetch, for a request whose prefix continues past what memory holds::
 
 Every payload that arrives is checked before use: a host block against the checksum noted when
 it was filled and its expected hash, a stored record against its key, the model fingerprint and
-its checksum (``blob.py``). A failure is counted, logged and becomes a miss: recomputation.
-After a store error the tier rests for ``retry_s`` (no prefetch, no writes) and then tries again
-with the same store object, so a restarted store is used again without restarting the engine.
+its checksum, and with a secret (``--kv-store-secret``) its HMAC tag (``blob.py``). A failure is
+counted, logged and becomes a miss: recomputation. After a store error the tier rests for
+``retry_s`` (no prefetch, no writes) and then tries again with the same store object, so a
+restarted store is used again without restarting the engine.
+
+The store heals itself. Puts never overwrite (first write wins), so a bad record left in place
+would be hit, and its block and all after it recomputed, on every restart: the rewrite would
+find the key taken. So a record that fails its checks is deleted as it is read (best effort;
+Mooncake keeps an object under a read lease) and the recomputed block is written again. A
+record of another format version is left alone: it may be a newer pagekv's sharing the store.
+The records after a bad one stay valid (a block's K/V depends only on the tokens up to it) but
+are not fetched: the KV cache manager gives a request its prefix hits once, at admission, as
+one unbroken run (``KVCacheManager.allocate``), so that request recomputes from the hole on
+anyway; once the hole is rewritten, later requests and restarted engines load the whole chain.
+
+Keyed stores: keys carry a tag of the secret (``blob.secret_tag``), so engines with different
+secrets, or none, never read (nor delete) each other's records. A record under this engine's
+keys without the right HMAC tag (forged, or unkeyed) is refused: a miss, counted in
+``storage_refused_records``, logged once per engine, and deleted like a damaged one.
 """
 
 from __future__ import annotations
@@ -42,7 +58,14 @@ from dataclasses import dataclass
 from pagekv.core.block_pool import BlockHash
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import BlockTransfers
-from pagekv.tiering.blob import CorruptBlockError, decode, encode
+from pagekv.tiering.blob import (
+    CorruptBlockError,
+    ForeignRecordError,
+    ForgedRecordError,
+    decode,
+    encode,
+    secret_tag,
+)
 from pagekv.tiering.store import KVStore, KVStoreError
 
 logger = logging.getLogger("pagekv")
@@ -69,6 +92,8 @@ class TierStats:
     storage_write_drops: int = 0  # writes dropped: queue full or the store unavailable
     storage_errors: int = 0  # store calls that failed (unreachable, timed out)
     storage_load_failures: int = 0  # records that failed verification (never used)
+    storage_refused_records: int = 0  # ... of them refused by the secret (forged or unkeyed)
+    storage_removed_records: int = 0  # failed records deleted (rewritten once recomputed)
     host_checksum_failures: int = 0  # host blocks whose bytes no longer match
 
 
@@ -92,10 +117,14 @@ class TierManager:
         max_pending_writes: int = 256,
         retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        secret: bytes | None = None,
     ) -> None:
         self.kv = kv
         self.io = io
         self.fingerprint = fingerprint
+        self.secret = secret  # keys the records' HMAC tags; None: CRC32 only
+        self._key_ns = "" if secret is None else f"-hmac-{secret_tag(secret)}"
+        self._refusal_logged = False
         self.store = store
         self.stats = TierStats()
         self.retry_s = retry_s
@@ -119,8 +148,9 @@ class TierManager:
     # ---- keys and availability ------------------------------------------------------------------
 
     def key(self, block_hash: BlockHash) -> str:
-        """The store key: the model/layout fingerprint, then the block's hash chain key."""
-        return f"pagekv/{self.fingerprint.hex()[:32]}/{block_hash.hex()}"
+        """The store key: the model/layout fingerprint (and, keyed, a tag of the secret), then
+        the block's hash chain key."""
+        return f"pagekv/{self.fingerprint.hex()[:32]}{self._key_ns}/{block_hash.hex()}"
 
     @property
     def available(self) -> bool:
@@ -234,7 +264,8 @@ class TierManager:
         hashes = [h for h, _ in batch]
         stored: list[bool] | None = None
         if self.available:
-            records = [(self.key(h), encode(self.key(h), self.fingerprint, p)) for h, p in batch]
+            keyed = [(self.key(h), p) for h, p in batch]
+            records = [(k, encode(k, self.fingerprint, p, self.secret)) for k, p in keyed]
             try:
                 stored = store.batch_put(records)
             except KVStoreError as exc:
@@ -275,14 +306,42 @@ class TierManager:
                 for i, blob in enumerate(blobs, start):
                     if blob is None:
                         return  # gone since exists (evicted, or the store restarted)
-                    payload = decode(blob, keys[i], self.fingerprint)
+                    payload = self._payload(store, job.hashes[i], keys[i], blob)
+                    if payload is None:
+                        return  # a bad record ends the prefix (the module docstring says why)
                     job.payloads.append((job.hashes[i], payload))
-        except CorruptBlockError as exc:
-            with self._lock:
-                self.stats.storage_load_failures += 1
-            logger.warning("KV store record rejected (%s); its tokens are recomputed", exc)
         except KVStoreError as exc:
             self._store_failed("read", exc)
+
+    def _payload(self, store: KVStore, h: BlockHash, key: str, blob: bytes) -> bytes | None:
+        """The verified payload of ``key``'s record, or None: a record that fails its checks is
+        counted, logged and deleted (unless another format's), so that it is written again."""
+        try:
+            return decode(blob, key, self.fingerprint, self.secret)
+        except CorruptBlockError as exc:
+            self._rejected(h, exc)
+            if not isinstance(exc, ForeignRecordError) and store.remove(key):
+                with self._lock:
+                    self.stats.storage_removed_records += 1
+            return None
+
+    def _rejected(self, block_hash: BlockHash, exc: CorruptBlockError) -> None:
+        refused = isinstance(exc, ForgedRecordError)
+        with self._lock:
+            self.stats.storage_load_failures += 1
+            self.stats.storage_refused_records += refused
+            self._known.discard(block_hash)  # gone, or going: never skip writing it again
+            repeated = refused and self._refusal_logged
+            self._refusal_logged |= refused
+        if not refused:
+            logger.warning("KV store record rejected (%s); its tokens are recomputed", exc)
+        elif not repeated:  # a forger (or an engine with another secret's keys) may write many
+            logger.warning(
+                "KV store record refused (%s): not made with this engine's --kv-store-secret; "
+                "such records are recomputed, and further refusals only counted "
+                "(storage_refused_records)",
+                exc,
+            )
 
     def poll(self) -> list[str]:
         """Place arrived prefetches into host blocks; the ids of requests whose fetch ended."""
@@ -324,7 +383,7 @@ class TierManager:
         store = self.store
         assert store is not None
         key = f"pagekv/probe/{self.fingerprint.hex()[:32]}/{uuid.uuid4().hex}"
-        record = encode(key, self.fingerprint, bytes(payload_bytes))
+        record = encode(key, self.fingerprint, bytes(payload_bytes), self.secret)
         store.put(key, record)
         exists_s, get_s = [], []
         for _ in range(repeats):
@@ -335,7 +394,7 @@ class TierManager:
             t2 = time.perf_counter()
             if blob is None:
                 raise CorruptBlockError("the probe record vanished right after it was written")
-            decode(blob, key, self.fingerprint)
+            decode(blob, key, self.fingerprint, self.secret)
             exists_s.append(t1 - t0)
             get_s.append(t2 - t1)
         store.remove(key)  # best effort: a store may hold it a while (Mooncake's read lease)
