@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -100,6 +101,7 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from pagekv.server.clients import ClientLimits
     from pagekv.server.serve import serve
     from pagekv.server.settings import ServerConfig
 
@@ -110,6 +112,14 @@ def _serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         max_request_body_bytes=args.max_request_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        client_limits=ClientLimits(
+            args.client_max_requests, args.client_max_prompt_tokens, args.client_max_output_tokens
+        ),
+        metrics_require_key=args.metrics_require_key,
     )
     if args.model_path is not None:
         args.model = args.model_path
@@ -137,6 +147,30 @@ def _serve_args(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="answer 429 while this many requests wait for a batch slot",
     )
+    g.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="/metrics needs the API key too (/debug always does when one is set)",
+    )
+    t = parser.add_argument_group("timeouts (seconds)")
+    t.add_argument("--header-timeout", type=float, default=10.0, help="request headers complete")
+    t.add_argument("--body-timeout", type=float, default=30.0, help="body complete (else 408)")
+    t.add_argument("--keep-alive-timeout", type=float, default=5.0, help="idle connection")
+    t.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="abort a stream whose client reads nothing for this long",
+    )
+    c = parser.add_argument_group("per client (by address), in flight; past them: 429")
+    c.add_argument("--client-max-requests", type=int, default=256)
+    c.add_argument("--client-max-prompt-tokens", type=int, default=1 << 20)
+    c.add_argument(
+        "--client-max-output-tokens",
+        type=int,
+        default=1 << 19,
+        help="prompts x n x max_tokens of a client's requests",
+    )
 
 
 def _kv_map(args: argparse.Namespace) -> None:
@@ -146,8 +180,11 @@ def _kv_map(args: argparse.Namespace) -> None:
     from pagekv.server.kv_png import render_block_map
 
     url = args.url.rstrip("/") + "/debug/kv.json"
+    key = args.api_key or os.environ.get("PAGEKV_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(url, timeout=args.timeout) as response:
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=args.timeout) as response:
             data = json.load(response)
     except (OSError, ValueError) as exc:  # unreachable, HTTP error, or not JSON
         raise PagekvError(f"cannot read the block map at {url}: {exc}") from exc
@@ -180,6 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kv_map.add_argument("--url", default="http://127.0.0.1:8000")
     kv_map.add_argument("--out", default="kv_map.png")
     kv_map.add_argument("--timeout", type=float, default=10.0)
+    kv_map.add_argument(
+        "--api-key", default=None, help="the server's API key (default: $PAGEKV_API_KEY)"
+    )
     kv_map.set_defaults(func=_kv_map)
     register_bench(sub)
     register_sim(sub)

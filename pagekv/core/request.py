@@ -56,6 +56,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         eos_token_ids: Sequence[int] = (),
+        client: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -63,6 +64,7 @@ class Request:
         self.params = params
         self.cache_salt = cache_salt
         self.priority = priority
+        self.client = client  # whose request (the fair policy's turns and shares); None: one
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -136,6 +138,7 @@ class Request:
             cache_salt=self.cache_salt,
             priority=self.priority,
             eos_token_ids=self.eos_token_ids,
+            client=self.client,
         )
         child.prompt_token_ids = self.prompt_token_ids
         self.fork_children.append(child)

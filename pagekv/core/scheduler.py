@@ -29,8 +29,10 @@ A request whose prefix the storage tier fetches waits in ``loading``, blocking n
 its old place in ``waiting`` once it arrives or waiting stops paying (``LoadCostModel``).
 
 Per step, one request's chunk is capped by ``long_prefill_token_threshold`` (0: no cap), so a
-long prompt is spread over several steps, not one step stretched for everyone. ``running``
-is re-sorted only after a request joined it out of order: a steady decode costs no sorting.
+long prompt is spread over several steps, not one step stretched for everyone. Under the fair
+policy with 2+ clients in, a step's prefill is capped and shared by client (``fair_share.py``).
+``running`` is re-sorted only after a request joined it out of order: a steady decode costs no
+sorting.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from pagekv.core.batch_prefix import blocks_completed, next_block_in
 from pagekv.core.block_pool import BlockHash
+from pagekv.core.fair_share import prefill_shares, take_share
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan, ScheduledRequest
 from pagekv.core.policy import RequestOrder, RequestQueue, SchedulingPolicy, check_priority
@@ -253,9 +257,10 @@ class Scheduler:
         if not self._running_sorted:
             self.running.sort(key=self.order.key)
             self._running_sorted = True
-        scheduled, budget = self._schedule_running(budget, preempted)
+        shares = prefill_shares(self.running, self.waiting, budget, self.config)
+        scheduled, budget = self._schedule_running(budget, preempted, shares)
         if not preempted and not self.swapped:
-            scheduled += self._admit(budget, scheduled)
+            scheduled += self._admit(budget, scheduled, shares)
         self._preempted_last_step = bool(preempted)
         return Plan(self.step, tuple(scheduled), self.kv.take_transfers(), tuple(preempted))
 
@@ -267,7 +272,7 @@ class Scheduler:
         return min(num_new, max(budget - num_after, 1))
 
     def _schedule_running(
-        self, budget: int, preempted: list[str]
+        self, budget: int, preempted: list[str], shares: dict[str | None, int] | None
     ) -> tuple[list[ScheduledRequest], int]:
         # The decode hot path (256 requests a step): locals, and no helper calls for a decode.
         scheduled: list[ScheduledRequest] = []
@@ -285,6 +290,11 @@ class Scheduler:
             drafts: tuple[int, ...] = ()
             if num_new > 1:
                 num_new = self._chunk(num_new, budget, end - i - 1)
+                if shares is not None:
+                    num_new = take_share(shares, request.client, num_new)
+                    if num_new <= 0:  # its client's share is spent: next step
+                        i += 1
+                        continue
             elif proposer is not None:
                 drafts = proposer.propose_for_decode(request, budget - (end - i))
                 if drafts and append_slots(request, 1 + len(drafts)):
@@ -302,19 +312,26 @@ class Scheduler:
             i += 1
         return scheduled, budget
 
-    def _admit(self, budget: int, running: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    def _admit(
+        self,
+        budget: int,
+        running: list[ScheduledRequest],
+        shares: dict[str | None, int] | None,
+    ) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
         computing: set[BlockHash] = set()  # prefix blocks this step's prefills complete
         for entry in running if self.waiting else ():  # a steady decode batch skips this
             computing.update(
-                self._blocks_completed(entry.request, entry.start_position, entry.num_tokens)
+                blocks_completed(self.kv, entry.request, entry.start_position, entry.num_tokens)
             )
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             num_cached = self.kv.num_cached_tokens(request)
-            if self._next_block_in(request, num_cached, computing):
+            if next_block_in(self.kv, request, num_cached, computing):
                 break  # computed this step by another request: next step it is a hit
             num_new = self._chunk(request.num_target_tokens - num_cached, budget, 0)
+            if shares is not None and (num_new := min(num_new, shares.get(request.client, 0))) <= 0:
+                break  # its client's share of this step is spent
             reserve = self._watermark_blocks if self.running else 0
             if not self.kv.can_allocate(request, num_new, reserve):
                 break
@@ -328,30 +345,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self._join_running(request)
             scheduled.append(self._entry(request, num_new))
-            computing.update(self._blocks_completed(request, num_hit, num_new))
+            computing.update(blocks_completed(self.kv, request, num_hit, num_new))
+            if shares is not None:
+                take_share(shares, request.client, num_new)
             budget -= num_new
         return scheduled
-
-    # In-batch prefix sharing: requests that arrive together with a common prefix (a system
-    # prompt, n samples of one prompt sent separately) would each compute it in the same step,
-    # because a block becomes a prefix hit only once computed. So a waiting request whose next
-    # uncached block is completed by a prefill of this step waits one step and then hits it
-    # (SGLang does the same). Only prefills (chunks of 2+ tokens) are looked at: the decode
-    # hot path pays nothing.
-
-    def _blocks_completed(self, request: Request, start: int, num_new: int) -> list[BlockHash]:
-        """Hashes of the shareable prefix blocks that tokens [start, start + num_new) fill."""
-        if num_new < 2 or not self.kv.enable_prefix_caching:
-            return []
-        block_size = self.kv.block_size
-        return self.kv.prefix_chain(request)[start // block_size : (start + num_new) // block_size]
-
-    def _next_block_in(self, request: Request, num_cached: int, computing: set[BlockHash]) -> bool:
-        if not computing:
-            return False
-        chain = self.kv.prefix_chain(request)
-        index = num_cached // self.kv.block_size
-        return index < len(chain) and chain[index] in computing
 
     def _swap_in_some(self) -> None:
         while self.swapped and len(self.running) < self.config.max_num_seqs:

@@ -56,6 +56,9 @@ class SchedulerConfig:
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     priority_aging_steps: int = 100  # a waiting request gains 1 priority level per this; 0: off
     long_prefill_token_threshold: int = 0  # per-request per-step chunk cap; 0: no cap
+    # Under the fair policy, while requests of 2+ clients are in: a step's prefill tokens at
+    # most (0: no cap), shared among the clients (fair_share.py)
+    shared_prefill_tokens: int = 256
     watermark: float = 0.01  # share of the pool kept free when admitting
     cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
     preemption_log_interval_s: float = 10.0  # at most one preemption log line per interval
@@ -81,6 +84,7 @@ class SchedulerConfig:
         _check_int(self.max_model_len, "max_model_len", 1)
         _check_int(self.priority_aging_steps, "priority_aging_steps", 0)
         _check_int(self.long_prefill_token_threshold, "long_prefill_token_threshold", 0)
+        _check_int(self.shared_prefill_tokens, "shared_prefill_tokens", 0)
         _check_int(self.num_speculative_tokens, "num_speculative_tokens", 0)
         _check_int(self.prompt_lookup_min, "prompt_lookup_min", 1)
         _check_int(self.prompt_lookup_max, "prompt_lookup_max", self.prompt_lookup_min)

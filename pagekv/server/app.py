@@ -2,13 +2,16 @@
 
 ``build_app`` wires a started-or-not ``EngineLoop`` into a fresh app; every error, whatever
 raised it, leaves through ``errors.error_body`` (one table from exception type to status).
+With an API key set, /v1 and /debug need it (and /metrics with ``metrics_require_key``);
+/health never does. The debug pages show prefix hashes keyed by the server's secret.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,18 +25,22 @@ from pagekv.server.errors import (
     error_body,
 )
 from pagekv.server.kv_page import render_kv_page
-from pagekv.server.openai_api import router, state_of
+from pagekv.server.openai_api import require_api_key, router, state_of
 from pagekv.server.state import ServerState
+
+logger = logging.getLogger("pagekv.server")
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagekv", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pagekv = state
     app.include_router(router)
+    keyed = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/debug/kv", kv_page, methods=["GET"])
-    app.add_api_route("/debug/kv.json", kv_json, methods=["GET"])
+    metrics_keyed = keyed if state.config.metrics_require_key else []
+    app.add_api_route("/metrics", metrics, methods=["GET"], dependencies=metrics_keyed)
+    app.add_api_route("/debug/kv", kv_page, methods=["GET"], dependencies=keyed)
+    app.add_api_route("/debug/kv.json", kv_json, methods=["GET"], dependencies=keyed)
     # PagekvError (every 4xx, and 503) is answered by the exception middleware; anything else
     # reaches the outermost handler, which answers 500 and lets uvicorn log the traceback.
     app.add_exception_handler(PagekvError, _any_exception)
@@ -45,6 +52,9 @@ def build_app(state: ServerState) -> FastAPI:
 def _error_response(request: Request, exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
     state_of(request).metrics.error(status)
+    if status in (408, 499):  # the client's doing, not the server's: one line
+        client = request.client.host if request.client is not None else "unknown"
+        logger.info("%d %s %s %s: %s", status, client, request.method, request.url.path, exc)
     return JSONResponse(body, status_code=status)
 
 
@@ -86,6 +96,9 @@ async def kv_json(request: Request) -> Response:
 async def _kv_data(request: Request) -> dict[str, Any]:
     state = state_of(request)
     data: dict[str, Any] = await state.loop.call(_block_map_and_stats)
+    for block in data["blocks"]:
+        if block["hash"] is not None:
+            block["hash"] = state.shown_hash(block["hash"])
     data["model"] = state.model_name
     return data
 

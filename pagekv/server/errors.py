@@ -31,6 +31,24 @@ class QueueFullError(PagekvError):
     """The engine's waiting queue is at ``max_waiting_requests``."""
 
 
+class ClientLimitError(QueueFullError):
+    """One client's requests in flight are at one of its limits (``clients.ClientLimits``)."""
+
+    code = "client_limit"
+
+
+class RequestTimeoutError(PagekvError):
+    """The request body did not arrive within ``body_timeout_s``."""
+
+
+class UnsupportedMediaTypeError(PagekvError):
+    """A JSON endpoint was sent a body that does not say it is JSON."""
+
+
+class ClientGoneError(PagekvError):
+    """The client closed the connection before its request was read or answered."""
+
+
 class EngineDeadError(PagekvError):
     """The engine thread stopped after an unexpected error; the server cannot generate."""
 
@@ -46,12 +64,15 @@ class MethodNotAllowedError(PagekvError):
 # First match wins: subclasses before their bases.
 ERROR_STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (AuthenticationError, 401, "authentication_error"),
+    (RequestTimeoutError, 408, "invalid_request_error"),
     (BodyTooLargeError, 413, "invalid_request_error"),
+    (UnsupportedMediaTypeError, 415, "invalid_request_error"),
     (QueueFullError, 429, "rate_limit_error"),
     (RouteNotFoundError, 404, "not_found_error"),
     (MethodNotAllowedError, 405, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
     (EngineDeadError, 503, "service_unavailable"),
+    (ClientGoneError, 499, "client_closed_request"),  # nginx's: nobody reads the answer
 )
 INTERNAL = (500, "internal_error")
 

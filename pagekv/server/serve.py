@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from pagekv.engine.llm_engine import LLMEngine
 from pagekv.server.app import build_app
+from pagekv.server.connections import header_deadline_protocol
 from pagekv.server.engine_loop import EngineLoop
 from pagekv.server.metrics import Metrics
 from pagekv.server.settings import ServerConfig
@@ -26,9 +27,17 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> tuple[FastAPI, Engine
     return build_app(state), loop
 
 
+def _after_a_stalled_stream(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's line for a response left unfinished: only a stream given up on for its
+    stalled client ends so, and that has its own line (``openai_api.AbortOnClose``)."""
+    return record.getMessage() != "ASGI callable returned without completing response."
+
+
 def serve(engine: LLMEngine, config: ServerConfig) -> None:
     """Serve until interrupted; the engine thread stops after uvicorn does."""
     app, loop = create_app(engine, config)
+    logger.setLevel(logging.INFO)  # its one-line notes (timeouts, clients gone) are worth seeing
+    logging.getLogger("uvicorn.error").addFilter(_after_a_stalled_stream)
     loop.start()
     uv_config = uvicorn.Config(
         app,
@@ -37,6 +46,8 @@ def serve(engine: LLMEngine, config: ServerConfig) -> None:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=int(config.graceful_shutdown_s),
+        http=header_deadline_protocol(config.header_timeout_s),
+        timeout_keep_alive=max(1, round(config.keep_alive_timeout_s)),
     )
     server = uvicorn.Server(uv_config)
     print(

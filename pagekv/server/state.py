@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from pagekv.engine.llm_engine import LLMEngine
+from pagekv.server.clients import ClientLedger
 from pagekv.server.engine_loop import EngineLoop
 from pagekv.server.errors import ModelNotFoundError
 from pagekv.server.formats import TokenNamer
@@ -20,7 +23,9 @@ class ServerState:
 
     ``tokenizer`` is the engine's tokenizer, immutable after load, so handlers may render chat
     templates and spell logprob tokens with it. ``context_tokens``: prompt + output tokens one
-    request may hold (the model's context, capped by the KV pool).
+    request may hold (the model's context, capped by the KV pool). ``clients``: what each
+    client has in flight (the event loop's). ``hash_secret``: keys the prefix hashes this
+    server shows (``shown_hash``), so that nobody outside can test a guessed prompt against them.
     """
 
     loop: EngineLoop
@@ -30,6 +35,8 @@ class ServerState:
     tokenizer: Any
     context_tokens: int
     namer: TokenNamer
+    clients: ClientLedger
+    hash_secret: bytes
 
     @classmethod
     def create(
@@ -47,7 +54,15 @@ class ServerState:
             tokenizer=tokenizer,
             context_tokens=min(engine.max_model_len, pool_tokens),
             namer=TokenNamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)),
+            clients=ClientLedger(config.client_limits),
+            hash_secret=os.urandom(16),
         )
+
+    def shown_hash(self, block_hash: str) -> str:
+        """A prefix block's hash (hex) as this server shows it: keyed by its secret, so equal
+        blocks still show equal hashes."""
+        mac = hmac.new(self.hash_secret, bytes.fromhex(block_hash), hashlib.sha256)
+        return mac.hexdigest()[:32]
 
     def check_model(self, model: str | None) -> None:
         """A request may omit the model or name this one; anything else is a 400."""

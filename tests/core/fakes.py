@@ -32,11 +32,17 @@ def fake_token(request: Request) -> int:
 
 
 def make_request(
-    rid: str, prompt_len: int, max_tokens: int, *, priority: int = 0, first: int = 0
+    rid: str,
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    priority: int = 0,
+    first: int = 0,
+    client: str | None = None,
 ) -> Request:
     prompt = [(first + 13 * i) % VOCAB for i in range(prompt_len)]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, prompt, params, priority=priority)
+    return Request(rid, prompt, params, priority=priority, client=client)
 
 
 def make_scheduler(

@@ -267,6 +267,8 @@ def test_kv_map_cli_writes_a_png(server: ServerProcess, tmp_path: Path) -> None:
 
     out = tmp_path / "map.png"
     cmd = [sys.executable, "-m", "pagekv.cli", "kv-map", "--url", server.url, "--out", str(out)]
+    if server.api_key:  # the block map needs the key, as every debug page
+        cmd += ["--api-key", server.api_key]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert f"{NUM_BLOCKS} blocks" in result.stdout

@@ -1,0 +1,109 @@
+"""The fair policy: clients in turn, and a step's prefill shared among clients and capped,
+so one client's queue of long prompts neither delays nor slows another client's request."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagekv.core.fair_share import waterfill
+from pagekv.core.invariants import check_no_leak
+from pagekv.core.policy import FairTurns
+from tests.core.fakes import (
+    FakeRunner,
+    StepLog,
+    make_request,
+    make_scheduler,
+    run_step,
+    run_until_done,
+)
+
+
+def test_waterfill_gives_small_demands_all_and_splits_the_rest() -> None:
+    assert waterfill({"a": 10, "b": 1000, "c": 1000}, 256) == {"a": 10, "b": 123, "c": 123}
+    assert waterfill({"a": 5, "b": 7}, 256) == {"a": 5, "b": 7}
+    assert waterfill({"a": 300}, 256) == {"a": 256}
+    shares = waterfill({k: random.Random(k).randint(1, 500) for k in range(20)}, 1000)
+    assert sum(shares.values()) <= 1000 and min(shares.values()) >= 1
+
+
+def test_turns_of_one_client_are_arrival_order_and_a_newcomer_goes_next() -> None:
+    turns = FairTurns()
+    assert [turns.take(f"a{i}", "A") for i in range(5)] == [0, 1, 2, 3, 4]
+    turns.give_back("a0")
+    turns.give_back("a1")
+    assert turns.take("b0", "B") == 2  # the lowest live turn: behind a2 only
+    assert turns.take("b1", "B") == 3
+    assert turns.take("a5", "A") == 5  # A keeps its own order
+    for rid in ("a2", "a3", "a4", "a5", "b0", "b1"):
+        turns.give_back(rid)
+    # nothing live: the virtual time stays where it was, for old and new clients alike
+    assert turns.take("c0", "C") == turns.take("a6", "A") == turns.virtual_time == 2
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_one_client_is_served_exactly_as_fcfs(policy: str) -> None:
+    """Offline every request has client None: the fair policy's plans are fcfs's."""
+
+    def plans(policy: str) -> list[list[tuple[str, int]]]:
+        sched = make_scheduler(40, max_num_batched_tokens=32, policy=policy)
+        runner = FakeRunner(sched.kv)
+        log = StepLog()
+        for i in range(12):
+            sched.add(make_request(f"r{i}", 5 + 7 * i % 30, 3 + i % 5, first=i))
+            run_step(sched, runner, log)
+        run_until_done(sched, runner, 500, log)
+        check_no_leak(sched.kv)
+        return [[(s.request.request_id, s.num_tokens) for s in p.scheduled] for p in log.plans]
+
+    assert plans(policy) == plans("fcfs")
+
+
+def test_a_short_request_of_another_client_overtakes_a_queue_of_long_prompts() -> None:
+    sched = make_scheduler(400, max_num_batched_tokens=128, policy="fair", shared_prefill_tokens=32)
+    runner = FakeRunner(sched.kv)
+    for i in range(8):
+        sched.add(make_request(f"long{i}", 300, 4, first=i, client="A"))
+    run_step(sched, runner)
+    sched.add(make_request("short", 10, 6, first=99, client="B"))
+    log = StepLog()
+    steps = 0
+    while "short" not in log.finished:
+        plan = run_step(sched, runner, log)
+        steps += 1
+        prefill = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
+        assert prefill <= 32, "a step's prefill is capped while two clients are in"
+    # its 10-token prompt in the first step, then one token a step: 6 outputs in 6 steps
+    assert steps == 6
+    run_until_done(sched, runner, 2000, log)
+    check_no_leak(sched.kv)
+
+
+def test_alone_a_client_gets_the_whole_budget_again() -> None:
+    sched = make_scheduler(400, max_num_batched_tokens=128, policy="fair", shared_prefill_tokens=32)
+    runner = FakeRunner(sched.kv)
+    sched.add(make_request("b", 4, 3, client="B"))
+    sched.add(make_request("a", 300, 2, first=1, client="A"))
+    plan = run_step(sched, runner)
+    assert sum(s.num_tokens for s in plan.scheduled) <= 4 + 32
+    log = StepLog()
+    run_until_done(sched, runner, 50, log)
+    # once b is done, a prefills at the full budget
+    assert max(sum(s.num_tokens for s in p.scheduled) for p in log.plans) == 128
+    check_no_leak(sched.kv)
+
+
+def test_the_client_with_most_in_flight_is_preempted_first() -> None:
+    sched = make_scheduler(24, max_num_batched_tokens=64, policy="fair")
+    runner = FakeRunner(sched.kv)
+    for i in range(3):
+        sched.add(make_request(f"a{i}", 8, 30, first=i, client="A"))
+    sched.add(make_request("b0", 8, 30, first=7, client="B"))
+    log = StepLog()
+    for _ in range(24):
+        run_step(sched, runner, log)
+    victims = [rid for p in log.plans for rid in p.preempted]
+    assert victims and "b0" not in victims and victims[0] == "a2"
+    run_until_done(sched, runner, 1000, log)
+    check_no_leak(sched.kv)
