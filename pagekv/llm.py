@@ -6,6 +6,7 @@ Owns nothing but its engine; every call runs the engine's step loop until its re
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -14,8 +15,9 @@ from tqdm import tqdm
 
 from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.engine.config import EngineConfig
-from pagekv.engine.llm_engine import LLMEngine, PromptInput
+from pagekv.engine.llm_engine import LLMEngine
 from pagekv.engine.outputs import RequestOutput
+from pagekv.engine.prompts import PromptInput
 from pagekv.errors import InvalidRequestError
 from pagekv.sampling_params import SamplingParams
 
@@ -73,18 +75,15 @@ class LLM:
         use_tqdm: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them (``tools``:
-        OpenAI tool definitions, laid out by the template or in a system message)."""
-        if not messages:
-            raise InvalidRequestError("messages must not be empty", "messages")
-        conversations: list[Sequence[Message]] = (
-            [messages]  # type: ignore[list-item]
-            if isinstance(messages[0], Mapping)
-            else list(messages)  # type: ignore[arg-type]
-        )
+        """Apply the model's chat template to one conversation (a list of message dicts) or a
+        list of them, as vLLM does; a bare string is refused (``tools``: OpenAI tool
+        definitions, laid out by the template or in a system message)."""
+        conversations = _conversations(messages)
+        _check_tools(tools)
+        params = _per_prompt(sampling_params, len(conversations))  # before any template runs
         tok = self.engine.tokenizer
-        texts = [tok.apply_chat_template([dict(m) for m in c], tools=tools) for c in conversations]
-        return self.generate(texts, sampling_params, use_tqdm)
+        texts = [tok.apply_chat_template(c, tools=tools) for c in conversations]
+        return self._run(_prompt_inputs(texts), params, use_tqdm)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = True
@@ -168,13 +167,61 @@ def _prompt_input(prompt: Prompt) -> PromptInput:
 def _per_prompt(
     params: SamplingParams | Sequence[SamplingParams] | None, num: int
 ) -> list[SamplingParams]:
+    """One SamplingParams per prompt: None (the defaults) or one for all, or a list or tuple
+    of exactly one per prompt."""
     if params is None:
         return [SamplingParams()] * num
     if isinstance(params, SamplingParams):
         return [params] * num
-    out = list(params)
-    if len(out) != num:
+    if not isinstance(params, list | tuple):
         raise InvalidRequestError(
-            f"{len(out)} sampling params for {num} prompts", "sampling_params"
+            f"sampling_params: a SamplingParams or a list of them, got {type(params).__name__}",
+            "sampling_params",
         )
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidRequestError(
+            "sampling_params: every item must be a SamplingParams", "sampling_params"
+        )
+    if len(params) != num:
+        raise InvalidRequestError(
+            f"{len(params)} sampling params for {num} prompts", "sampling_params"
+        )
+    return list(params)
+
+
+def _conversations(messages: object) -> list[list[dict[str, Any]]]:
+    """``messages`` as a list of conversations: one conversation (a list of message dicts) or a
+    list of them. Roles and contents are the chat template's to check."""
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence):
+        raise InvalidRequestError(
+            f"messages: a list of message dicts, or a list of such lists; got "
+            f"{type(messages).__name__}",
+            "messages",
+        )
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", "messages")
+    nested = not isinstance(messages[0], Mapping)
+    conversations = list(messages) if nested else [messages]
+    out: list[list[dict[str, Any]]] = []
+    for i, conversation in enumerate(conversations):
+        where = f"messages[{i}]" if nested else "messages"
+        if isinstance(conversation, str | bytes | Mapping) or not isinstance(
+            conversation, Sequence
+        ):
+            raise InvalidRequestError(f"{where}: a list of message dicts", where)
+        if not all(isinstance(m, Mapping) for m in conversation):
+            raise InvalidRequestError(f"{where}: every message must be a dict", where)
+        out.append([dict(m) for m in conversation])
     return out
+
+
+def _check_tools(tools: object) -> None:
+    """``tools`` is None or a list of JSON-serializable tool definitions (dicts)."""
+    if tools is None:
+        return
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise InvalidRequestError("tools: a list of tool definitions (dicts)", "tools")
+    try:
+        json.dumps(tools)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"tools: not JSON: {exc}", "tools") from exc

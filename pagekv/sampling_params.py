@@ -1,16 +1,25 @@
 """How one request is sampled and when it stops: ``SamplingParams`` (pure Python, no torch).
 
-Named and defaulted as vLLM users expect. Validation happens in ``__post_init__`` so an invalid
-object never exists: every error is an ``InvalidRequestError`` naming the parameter, raised before
-the engine allocates anything. Every number must be finite (no NaN, no infinity); token ids
-(``stop_token_ids``) are checked against the vocabulary by the engine, which knows its size.
+Named and defaulted as vLLM users expect, with vLLM's accepted ranges. Validation happens in
+``__post_init__`` so an invalid object never exists: every error, a wrong type included, is an
+``InvalidRequestError`` naming the parameter, raised before the engine allocates anything. Every
+number must be finite (no NaN, no infinity); token ids (``stop_token_ids``) are checked against
+the vocabulary by the engine, which knows its size.
+
+The sampler works in float32, where some accepted values do not exist: ``top_p`` 1e-300 rounds
+to 0 and ``repetition_penalty`` 1e-300 to 0 (a division by zero). Those two are clamped here to
+the nearest value that float32 holds and that means the same thing (see ``MIN_TOP_P`` and
+``REPETITION_PENALTY_RANGE``); the sampler guards the rest (``runner/sampler.py``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from itertools import islice
 from typing import Any
 
 from pagekv.errors import InvalidRequestError
@@ -18,6 +27,23 @@ from pagekv.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed takes
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2], as in OpenAI's API
+# Caps vLLM does not have, so that one call cannot take the machine's memory (n=10**6 did):
+# the server caps n lower (ServerConfig.max_n); OpenAI allows 4 stop strings, we allow more.
+MAX_N = 1024  # n and best_of: sequences one request generates
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1000
+MAX_STOP_TOKEN_IDS = 1024
+# float32's smallest normal number. Any top_p up to the top token's probability (>= 1 / vocab)
+# keeps that token alone, so a smaller one is raised to this, which float32 holds.
+MIN_TOP_P = 2.0**-126
+# A repetition penalty of 1e-30 already makes a seen token's positive logit 1e30 times larger
+# (it wins outright, and the logits' order survives); one of 1e30 already takes such a logit to
+# ~0 and a negative one past any other. Beyond these, float32 would overflow to inf or round to
+# 0 (a division by zero), so a penalty outside the range is clamped into it.
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
+# What ``max_tokens`` holds between ``SamplingParams(max_tokens=None)`` and the engine, which
+# replaces it with the room the prompt leaves in the context (``fit_to_context``).
+UNTIL_CONTEXT_MAX_TOKENS = 2**31 - 1
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -31,6 +57,40 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_text(value: object) -> bool:
+    """A string that is valid Unicode (no lone surrogate such as "\\ud800", which no tokenizer
+    or UTF-8 encoder takes)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_text(value: str, param: str) -> None:
+    """Raise InvalidRequestError naming ``param`` if ``value`` is not valid Unicode text."""
+    _check(_is_text(value), param, "must be valid Unicode text (it has a lone surrogate)")
+
+
+def _bounded_tuple(value: object, param: str, limit: int) -> tuple[Any, ...]:
+    """The items of a list-like ``value`` (None: none), at most ``limit`` of them. A string,
+    bytes or a mapping is not a list here; a generator is read no further than the limit."""
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"{param}: must be a list, got {type(value).__name__}", param)
+    items = tuple(islice(value, limit + 1))
+    _check(len(items) <= limit, param, f"at most {limit} items")
+    return items
+
+
+def _is_token_id(value: object) -> bool:
+    """A non-negative integer, numpy's included (not a bool)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
 def _is_finite(value: object) -> bool:
@@ -100,7 +160,12 @@ class StructuredOutputsParams:
 class SamplingParams:
     """Sampling and stopping settings of one request.
 
-    ``temperature == 0`` is greedy. ``top_k=None`` and ``top_p=1`` disable those filters.
+    ``temperature == 0`` is greedy. ``top_k=None`` (or -1, as in vLLM) and ``top_p=1`` disable
+    those filters; a ``top_p`` below ``MIN_TOP_P`` is raised to it (both keep the top token
+    alone). ``max_tokens=None``: generate until the context ends (the engine sets the number
+    from the prompt's length and the context, or the whole KV pool if that holds less;
+    ``until_context`` says so until then). ``stop=None`` and ``stop_token_ids=None``: none.
+    ``n``, ``best_of``, ``stop`` and ``stop_token_ids`` have caps (``MAX_*`` above).
     With ``seed`` set, branch ``i`` of an ``n > 1`` request samples with ``seed + i``.
     ``logprobs=k`` returns the chosen token's log-probability and the top ``k`` alternatives,
     all under the model's raw distribution (before penalties, temperature and filters), as vLLM
@@ -131,14 +196,35 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    # True when max_tokens=None was given; dataclasses.replace resets it unless it passes
+    # max_tokens=None again.
+    until_context: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         # Accept a single stop string or list, as the OpenAI API does; store tuples (frozen).
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        set_field = object.__setattr__
+        set_field(self, "stop", _bounded_tuple(stop, "stop", MAX_STOP_STRINGS))
+        ids = _bounded_tuple(self.stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        set_field(self, "stop_token_ids", ids)
+        if self.max_tokens is None:
+            set_field(self, "until_context", True)
+            set_field(self, "max_tokens", UNTIL_CONTEXT_MAX_TOKENS)
+        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's "disabled"
+            set_field(self, "top_k", None)
         self._validate()
+        # float32 stand-ins for values it cannot hold (the module docstring says why)
+        set_field(self, "top_p", max(self.top_p, MIN_TOP_P))
+        low, high = REPETITION_PENALTY_RANGE
+        set_field(self, "repetition_penalty", min(max(self.repetition_penalty, low), high))
+        set_field(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def fit_to_context(self, room_tokens: int) -> SamplingParams:
+        """These params for a prompt that leaves ``room_tokens`` of context: with
+        ``max_tokens=None`` given, max_tokens becomes that (at least 1); else unchanged."""
+        if not self.until_context:
+            return self
+        return replace(self, max_tokens=max(1, room_tokens))
 
     def _validate(self) -> None:
         """Each field group in turn; the first bad value raises."""
@@ -147,6 +233,9 @@ class SamplingParams:
         self._validate_stopping()
         self._validate_logprobs()
         self._validate_penalties()
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         _check(
             self.structured_outputs is None
             or isinstance(self.structured_outputs, StructuredOutputsParams),
@@ -156,12 +245,16 @@ class SamplingParams:
 
     def _validate_branches(self) -> None:
         """How many sequences: ``n`` and ``best_of``."""
-        _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(
+            _is_int(self.n) and 1 <= self.n <= MAX_N,
+            "n",
+            f"must be an integer in [1, {MAX_N}], got {self.n!r}",
+        )
         if self.best_of is not None:
             _check(
-                _is_int(self.best_of) and self.best_of >= self.n,
+                _is_int(self.best_of) and self.n <= self.best_of <= MAX_N,
                 "best_of",
-                f"must be an integer >= n ({self.n}), got {self.best_of!r}",
+                f"must be an integer in [n ({self.n}), {MAX_N}], got {self.best_of!r}",
             )
 
     def _validate_sampling(self) -> None:
@@ -180,7 +273,7 @@ class SamplingParams:
             _check(
                 _is_int(self.top_k) and self.top_k >= 1,
                 "top_k",
-                f"must be None or an integer >= 1, got {self.top_k!r}",
+                f"must be None, -1 or an integer >= 1, got {self.top_k!r}",
             )
         _check(
             _is_finite(self.min_p) and 0 <= self.min_p <= 1,
@@ -199,7 +292,7 @@ class SamplingParams:
         _check(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens!r}",
+            f"must be None or an integer >= 1, got {self.max_tokens!r}",
         )
         _check(
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
@@ -207,12 +300,13 @@ class SamplingParams:
             f"must be an integer in [0, max_tokens], got {self.min_tokens!r}",
         )
         _check(
-            all(isinstance(s, str) and s for s in self.stop),
+            all(_is_text(s) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
             "stop",
-            "must be non-empty strings",
+            f"must be non-empty strings of valid Unicode, at most {MAX_STOP_STRING_CHARS} "
+            "characters each",
         )
         _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            all(_is_token_id(t) for t in self.stop_token_ids),
             "stop_token_ids",
             "must be non-negative integers",
         )

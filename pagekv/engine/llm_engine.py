@@ -8,10 +8,8 @@ tensors; the engine wires them together and is the only thing the server and LLM
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import weakref
-from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -40,7 +38,8 @@ from pagekv.engine.config import (
     uses_lower_tiers,
 )
 from pagekv.engine.device import gpu_kv_bytes, resolve_device
-from pagekv.engine.outputs import RequestOutput
+from pagekv.engine.outputs import FINISH_ERROR, RequestOutput
+from pagekv.engine.prompts import PromptInput, check_token_ids, tokenize_prompt
 from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.engine.sanitizer import KVSanitizer
 from pagekv.engine.structured_output import StructuredOutputs
@@ -53,8 +52,6 @@ from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 from pagekv.tiering.manager import TierManager
 
 logger = logging.getLogger("pagekv")
-
-PromptInput = str | Sequence[int]
 
 
 def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -202,33 +199,6 @@ class LLMEngine:
 
     # ---- requests in ----------------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """Tokenize text, or check token ids against the vocabulary; neither may be empty."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", "prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, Iterable):
-            raise InvalidRequestError(
-                f"prompt: a string or token ids, got {type(prompt).__name__}", "prompt"
-            )
-        given = list(prompt)
-        if not given:
-            raise InvalidRequestError("prompt_token_ids must not be empty", "prompt")
-        self.check_token_ids(given, "prompt")
-        return None, [int(t) for t in given]
-
-    def check_token_ids(self, ids: Iterable[Any], param: str) -> None:
-        """Refuse anything in ``ids`` that is not a token id of this model (``param`` named)."""
-        vocab = self.loaded.config.vocab_size
-        for t in ids:  # numpy's integers too; not bools
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                raise InvalidRequestError(f"{param}: token ids must be integers, got {t!r}", param)
-            if not 0 <= int(t) < vocab:
-                raise InvalidRequestError(
-                    f"{param}: token id {t!r} is outside the vocabulary [0, {vocab})", param
-                )
-
     def add_request(
         self,
         request_id: str,
@@ -239,10 +209,14 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validate, tokenize and queue; raises ``InvalidRequestError`` with nothing allocated."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params: a SamplingParams, got {params!r:.80}", "params")
         self._check_new_id(request_id)
-        text, ids = self.tokenize_prompt(prompt)
-        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        vocab_size = self.loaded.config.vocab_size
+        text, ids = tokenize_prompt(self.tokenizer, vocab_size, prompt)
+        params = params.fit_to_context(self._room_tokens(len(ids)))
+        check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
         self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         grammar = self.structured.compile(params.structured_outputs)
@@ -257,6 +231,15 @@ class LLMEngine:
         parent, *children = [b.request for b in group.branches]
         for request in self.scheduler.add_group(parent, children):
             self._prefetch(request)
+
+    def _room_tokens(self, num_prompt_tokens: int) -> int:
+        """What max_tokens=None generates up to: the context's room after the prompt, or the
+        whole pool's if that holds less (a request the pool could never hold is refused)."""
+        kv, total = self.kv, self.max_model_len
+        chunk = self.scheduler.config.max_num_batched_tokens
+        if kv.most_blocks_held(num_prompt_tokens, total, chunk) > kv.pool.num_blocks:
+            total = kv.pool.num_blocks * kv.block_size
+        return total - num_prompt_tokens
 
     def check_structured_outputs(self, constraint: StructuredOutputsParams) -> None:
         """Compile ``constraint`` (cached) or raise InvalidRequestError naming its field."""
@@ -283,7 +266,7 @@ class LLMEngine:
     ) -> None:
         """Queue a beam search; its result comes from ``pop_beam_search_output`` once done."""
         self._check_new_id(request_id)
-        _, ids = self.tokenize_prompt(prompt)
+        _, ids = tokenize_prompt(self.tokenizer, self.loaded.config.vocab_size, prompt)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         bs = self.kv.block_size
         worst = self.kv.num_blocks_for(len(ids)) + params.beam_width * (params.max_tokens // bs + 2)
@@ -340,9 +323,10 @@ class LLMEngine:
         sampled = self.runner.execute(plan, masks)
         if self.sanitizer is not None:
             self.sanitizer.after_execute(plan)
+        failed = self._end_non_finite(sampled)
         finished = self.scheduler.update(
             plan,
-            {rid: s.token_id for rid, s in sampled.items()},
+            {rid: s.token_id for rid, s in sampled.items() if rid not in failed},
             {rid: s.verified for rid, s in sampled.items() if s.verified},
         )
         done = {r.request_id for r in finished}
@@ -353,6 +337,8 @@ class LLMEngine:
                 continue
             group, branch = self._branch_of[rid]
             changed[group.request_id] = group
+            if rid in failed:
+                continue
             if token.verified:  # a drafted decode: the tokens it kept, one by one
                 new = branch.request.output_token_ids[len(branch.output.token_ids) :]
                 for i, token_id in enumerate(new):
@@ -375,10 +361,23 @@ class LLMEngine:
             invariants.check_manager(self.kv)
         return outputs
 
-    def _finish(self, branch: Branch, status: RequestStatus) -> None:
+    def _end_non_finite(self, sampled: dict[str, SampledToken]) -> set[str]:
+        """End each request whose logits had no finite maximum with finish_reason "error"
+        (its blocks freed now, branches waiting to fork from it too); the batch goes on."""
+        failed = {r for r, s in sampled.items() if s.non_finite and not self.beams.owns(r)}
+        for rid in failed:
+            logger.warning("request %s: non-finite logits; ended with an error", rid)
+            group, branch = self._branch_of[rid]
+            self._finish(branch, RequestStatus.FINISHED_ABORTED, FINISH_ERROR)
+            for other in group.branches:
+                if other.output.finish_reason is None and other.request.status.finished:
+                    other.output.finish_reason = FINISH_ERROR
+        return failed
+
+    def _finish(self, branch: Branch, status: RequestStatus, reason: str | None = None) -> None:
         self.scheduler.finish(branch.request, status)
         if branch.output.finish_reason is None:
-            branch.output.finish_reason = FINISH_REASON[status]
+            branch.output.finish_reason = reason or FINISH_REASON[status]
 
     def _forget(self, group: RequestGroup) -> None:
         del self._groups[group.request_id]

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A request whose logits were not finite (NaN or inf: a broken model or kernel, never the
+# user's parameters) ends with this reason and no further token; vLLM names it the same.
+FINISH_ERROR = "error"
+
 
 @dataclass
 class CompletionOutput:
@@ -18,7 +22,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     @property

@@ -46,6 +46,9 @@ class SampledToken:
     # A drafted decode: the token chosen at each position it fed (``token_id`` is the first);
     # the scheduler keeps the drafts these confirm (core.speculation.accept).
     verified: tuple[int, ...] = ()
+    # The logits of a row it sampled had no finite maximum (NaN, +inf, nothing drawable): the
+    # token means nothing and the engine ends the request with an error.
+    non_finite: bool = False
 
 
 PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (for A/B runs)
@@ -272,6 +275,7 @@ class ModelRunner:
                 logprob=None if out.logprobs is None else out.logprobs[row],
                 top_logprobs=out.top_logprobs[row],
                 verified=tuple(out.token_ids[row : row + num_rows]) if num_rows > 1 else (),
+                non_finite=any(out.non_finite[row : row + num_rows]),
             )
             row += num_rows
         return results

@@ -16,6 +16,12 @@ over Exp(1) noise, needs a draw per vocabulary entry, which costs far more than 
 cumulative sum and a search.) Logprobs are reported under the raw
 logits (before penalties, min_tokens, temperature and filters), as vLLM reports them by default.
 
+No finite input makes a row NaN: penalties keep finite logits finite (at most float32's
+largest), and so does the temperature on a penalized row (a model's own logits are far too small
+to overflow), leaving -inf (a token that may not be drawn) as it is; no filter removes a row's
+top token. A row whose own maximum is not finite (a NaN or +inf logit, or every token
+masked) is reported in ``SamplerOutput.non_finite`` and nothing is drawn for it.
+
 Must not import ``pagekv.core``, ``models`` or ``server``.
 """
 
@@ -33,6 +39,10 @@ from pagekv.sampling_params import SamplingParams
 # Below this temperature dividing the logits overflows toward inf - inf = NaN; such rows are
 # sampled greedily, which is what they converge to anyway (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# The repetition penalty's factor in float32: a normal number, never 0 or inf (0 would divide
+# by zero, inf would make 0 * inf). SamplingParams already clamps it to a narrower range.
+REPETITION_FACTOR_RANGE = (torch.finfo(torch.float32).tiny, FLOAT32_MAX)
 
 
 @dataclass
@@ -77,6 +87,9 @@ class SamplerOutput:
     logprobs: list[float] | None
     # Per row: the top-k (token id, logprob) under the raw logits when params.logprobs = k.
     top_logprobs: list[list[tuple[int, float]] | None]
+    # Per row: True if its logits had no finite maximum (a NaN or +inf logit, or no token left
+    # to draw); its token id is then meaningless and the request must end with an error.
+    non_finite: list[bool]
 
 
 class Sampler:
@@ -93,19 +106,39 @@ class Sampler:
         plain = not any(row.params.penalized for row in rows)
         if plain and all(row.greedy and row.params.logprobs is None for row in rows):
             # The maximum is the same in any dtype (bf16 -> float32 is exact): no widening
-            token_ids = argmax_rows(_suppress_stop_tokens(logits, rows))
-            return SamplerOutput(token_ids.tolist(), None, [None] * len(rows))
+            suppressed = _suppress_stop_tokens(logits, rows)
+            token_ids = argmax_rows(suppressed)
+            bad = non_finite_rows(suppressed, token_ids)
+            return SamplerOutput(token_ids.tolist(), None, [None] * len(rows), bad)
         logits = logits.float()  # [B, V]
         processed = _suppress_stop_tokens(apply_penalties(logits, rows), rows)  # [B, V]
         # Greedy for every row first (argmax breaks ties toward the lowest id); sampled rows
         # are overwritten below.
         token_ids = argmax_rows(processed)  # int64 [B]
-        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        bad = non_finite_rows(processed, token_ids)
+        sampled = [i for i, row in enumerate(rows) if not row.greedy and not bad[i]]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)  # int64 [S]
-            token_ids[index] = _sample(processed[index], [rows[i] for i in sampled])
+            token_ids[index], drawn = _sample(processed[index], [rows[i] for i in sampled])
+            for i, ok in zip(sampled, drawn, strict=True):
+                bad[i] = bad[i] or not ok  # a filter's bug: report it, draw nothing
         chosen, top = _logprobs(logits, token_ids, rows)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=chosen, top_logprobs=top)
+        return SamplerOutput(token_ids.tolist(), chosen, top, bad)
+
+
+def non_finite_rows(logits: torch.Tensor, token_ids: torch.Tensor) -> list[bool]:
+    """Per row, whether its value at its argmax is NaN or infinite: argmax takes a NaN or +inf
+    if the row has one and -inf only if every token is -inf, so one gather checks the row.
+
+    logits: [B, V]; token_ids: int64 [B], each row's argmax"""
+    top = logits.gather(1, token_ids.to(logits.device)[:, None])[:, 0]  # [B]
+    return [bool(bad) for bad in (~torch.isfinite(top)).tolist()]
+
+
+def _finite(values: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new`` (computed from ``values``) with each result of a finite value clamped to
+    float32's finite range, and the rest (-inf masks, NaN) left as they came."""
+    return torch.where(torch.isfinite(values), new.clamp(-FLOAT32_MAX, FLOAT32_MAX), new)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -148,10 +181,11 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     repetition, frequency, presence = (
         t.to(values.dtype) for t in (repetition, frequency, presence)
     )
-    values = torch.where(values > 0, values / repetition, values * repetition)
-    values = values - frequency * count - presence * (count > 0)
+    repetition = repetition.clamp(*REPETITION_FACTOR_RANGE)
+    new = torch.where(values > 0, values / repetition, values * repetition)
+    new = new - frequency * count - presence * (count > 0)
     logits = logits.clone()
-    logits[row, token] = values
+    logits[row, token] = _finite(values, new)
     return logits
 
 
@@ -206,15 +240,20 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
     return logits
 
 
-def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, filters, then the inverse CDF. logits: [S, V] -> int64 [S]."""
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, list[bool]]:
+    """Temperature, filters, then the inverse CDF. logits: [S, V] -> int64 [S], and per row
+    whether its probabilities were finite (softmax makes a row NaN throughout or nowhere)."""
     device = logits.device
     temperature = torch.tensor([r.params.temperature for r in rows], device=device)  # [S]
+    temperature = temperature.clamp(GREEDY_TEMPERATURE, FLOAT32_MAX)  # 1e300 is inf in float32
     scaled = logits / temperature[:, None]  # [S, V]
+    if any(r.params.penalized for r in rows):  # only penalties make finite logits overflow
+        scaled = _finite(logits, scaled)
     scaled = _apply_top_k_top_p(scaled, rows)
     scaled = _apply_min_p(scaled, rows)
     probs = torch.softmax(scaled, dim=-1)  # [S, V]
-    return _inverse_cdf(probs, _uniforms(rows))
+    drawn = [bool(ok) for ok in torch.isfinite(probs[:, 0]).tolist()]
+    return _inverse_cdf(probs, _uniforms(rows)), drawn
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -320,6 +359,7 @@ def _keep_ranked(
             total[rows] = torch.logsumexp(over[rows], dim=-1)
     probs = torch.exp(in_top_k - total[:, None])  # [F, N]
     drop |= probs.cumsum(dim=-1) - probs >= top_p[:, None]  # probability mass ranked before
+    drop[:, 0] = False  # the top token always stays (a top_p that rounds to 0 kept nothing)
     out = torch.full_like(logits, float("-inf"))
     out.scatter_(-1, ids, values.masked_fill(drop, float("-inf")))
     return out, (~drop).sum(dim=-1)
@@ -334,8 +374,9 @@ def _apply_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Ten
     if not any(p > 0 for p in min_p):
         return logits
     probs = torch.softmax(logits, dim=-1)  # [S, V]
-    threshold = torch.tensor(min_p, device=logits.device) * probs.amax(dim=-1)  # [S]
-    return logits.masked_fill(probs < threshold[:, None], float("-inf"))
+    top = probs.amax(dim=-1, keepdim=True)  # [S, 1]
+    threshold = torch.tensor(min_p, device=logits.device)[:, None] * top  # [S, 1]
+    return logits.masked_fill((probs < threshold) & (probs < top), float("-inf"))  # top stays
 
 
 def _uniforms(rows: Sequence[SamplingRow]) -> torch.Tensor:
