@@ -106,6 +106,18 @@ def _add_block_reuse_options(g: argparse._ArgumentGroup) -> None:
         help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
     )
     g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
+    g.add_argument(
+        "--scheduling-policy",
+        default="fair",
+        help="fair (clients in turn; the server's clients are addresses), fcfs or priority "
+        "(default: fair, which is fcfs for one client)",
+    )
+    g.add_argument(
+        "--shared-prefill-tokens",
+        type=int,
+        default=256,
+        help="fair: a step's prefill tokens while 2+ clients have requests in (default: 256)",
+    )
 
 
 def _add_speculation_options(g: argparse._ArgumentGroup) -> None:

@@ -89,9 +89,13 @@ class EngineConfig:
     num_threads: int | None = None
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto" (per victim, by cost)
     preemption_cost: PreemptionCostModel | None = None  # None: defaults measured on CPU
-    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value first)
+    # "fair": clients in turn (add_request's client), each first come first served (with one
+    # client: fcfs); "fcfs"; "priority" (lower priority value first)
+    scheduling_policy: str = "fair"
     priority_aging_steps: int = 100  # waiting requests gain a priority level per this; 0: off
     long_prefill_token_threshold: int = 0  # per-request prefill tokens per step; 0: no cap
+    # fair: a step's prefill tokens while 2+ clients have requests in, shared among them
+    shared_prefill_tokens: int = 256
     # Speculative decoding by n-gram lookup in each greedy request's own tokens
     # (core/speculation.py): up to this many draft tokens per step (0: off), found by matching
     # the last prompt_lookup_max .. prompt_lookup_min tokens. Outputs are unchanged.

@@ -118,6 +118,7 @@ def _scheduler_config(
         policy=SchedulingPolicy(config.scheduling_policy),
         priority_aging_steps=config.priority_aging_steps,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
+        shared_prefill_tokens=config.shared_prefill_tokens,
         cost_model=config.preemption_cost or PreemptionCostModel(),
         load_cost=load_cost,
         num_speculative_tokens=config.num_speculative_tokens,
@@ -207,8 +208,10 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         priority: int = 0,
+        client: str | None = None,
     ) -> None:
-        """Validate, tokenize and queue; raises ``InvalidRequestError`` with nothing allocated."""
+        """Validate, tokenize and queue; raises ``InvalidRequestError`` with nothing allocated.
+        ``client``: whose request, for the fair policy's turns (None: the one local client)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params: a SamplingParams, got {params!r:.80}", "params")
@@ -221,7 +224,7 @@ class LLMEngine:
         self.scheduler.check_fits(len(ids), params.max_tokens)
         grammar = self.structured.compile(params.structured_outputs)
         group = RequestGroup.create(
-            request_id, (text, ids), params, self.tokenizer, (cache_salt, priority)
+            request_id, (text, ids), params, self.tokenizer, (cache_salt, priority, client)
         )
         self._groups[request_id] = group
         for branch in group.branches:

@@ -77,9 +77,9 @@ class RequestGroup:
         prompt: tuple[str | None, list[int]],
         params: SamplingParams,
         tokenizer: Tokenizer,
-        placement: tuple[str | None, int],
+        placement: tuple[str | None, int, str | None],
     ) -> RequestGroup:
-        """The group and its branch requests; ``placement`` is (cache_salt, priority)."""
+        """The group and its branch requests; ``placement``: (cache_salt, priority, client)."""
         text, ids = prompt
         group = cls(request_id, text, ids, num_returned=params.n)
         # best_of ranks branches by cumulative logprob, so every branch computes it.
@@ -96,6 +96,7 @@ class RequestGroup:
                 cache_salt=placement[0],
                 priority=placement[1],
                 eos_token_ids=tokenizer.eos_token_ids,
+                client=placement[2],
             )
             logprobs = branch_params.logprobs is not None
             output = CompletionOutput(

@@ -48,6 +48,7 @@ class EngineRequest:
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
+    client: str | None = None  # whose (the fair policy's turns): the address it came from
 
 
 @dataclass
@@ -189,7 +190,7 @@ class EngineLoop:
         added: list[str] = []
         try:
             for r in command.requests:
-                self.engine.add_request(r.request_id, r.prompt, r.params)
+                self.engine.add_request(r.request_id, r.prompt, r.params, client=r.client)
                 added.append(r.request_id)
         except Exception as exc:  # InvalidRequestError mostly; the handler maps it
             for rid in added:

@@ -181,7 +181,10 @@ async def create_completion(request: Request) -> Response:
     prompts = completion_prompts(req, state.config.max_choices)
     ids = await asyncio.to_thread(tokenized, state, prompts, max_tokens)
     ctx = _context(state, "cmpl", params, req.include_usage)
-    requests = [EngineRequest(f"{ctx.response_id}-{i}", p, params) for i, p in enumerate(ids)]
+    client = client_of(request)
+    requests = [
+        EngineRequest(f"{ctx.response_id}-{i}", p, params, client) for i, p in enumerate(ids)
+    ]
     return await _respond(request, CompletionFormat(), ctx, requests, req.stream, field)
 
 
@@ -214,7 +217,7 @@ async def create_chat_completion(request: Request) -> Response:
     params = sampling_params(req, max_tokens, chat_logprobs(req), state.config.max_n, constraint)
     (prompt,) = tokenized(state, [prompt], max_tokens)
     ctx = _context(state, "chatcmpl", params, req.include_usage)
-    requests = [EngineRequest(f"{ctx.response_id}-0", prompt, params)]
+    requests = [EngineRequest(f"{ctx.response_id}-0", prompt, params, client_of(request))]
     fmt = ChatFormat(req.stream, tools if tools.active else None)
     return await _respond(request, fmt, ctx, requests, req.stream, field)
 

@@ -103,7 +103,9 @@ class FakeEngine:
         self.steps = 0
         self.step_s = step_s
 
-    def add_request(self, rid: str, prompt: Any, params: SamplingParams) -> None:
+    def add_request(
+        self, rid: str, prompt: Any, params: SamplingParams, client: str | None = None
+    ) -> None:
         if prompt == "bad":
             raise InvalidRequestError("bad prompt", "prompt")
         self.calls.append(f"add {rid}")

@@ -1,0 +1,268 @@
+"""Abuse benchmark of ``pagekv serve``: one client misbehaves, another asks for 16 tokens.
+
+    python benchmarks/bench_abuse.py            # starts its own server (default flags)
+    python benchmarks/bench_abuse.py --record   # and save the table
+
+The victim (from 127.0.0.2, another client to the server) sends a 16-token greedy completion
+three times while each abusive client (from 127.0.0.1) runs:
+
+    long_prompts   64 streaming requests of 8,000-token prompts at once
+    wide_n         8 requests of n=128, max_tokens 8,000
+    stop_strings   requests with 80,000 stop strings and n=16, back to back
+    big_id_lists   two threads posting 1 MiB token-id prompts, back to back
+    slowloris      600 connections that send a byte of headers now and then
+    never_read     4 streams of 4,000 tokens whose responses nobody reads
+
+Each row: what the abuser's requests got (status counts), the victim's median latency against
+its latency on an idle server, and the bound it must meet: 3x idle plus one step, a step being
+the idle server's time for a prompt of ``shared_prefill_tokens`` (the most prefill a step takes
+while two clients are in). KV blocks in use after each scenario must be 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record
+from bench_serve import start_server
+
+ABUSER, VICTIM = "127.0.0.1", "127.0.0.2"
+VICTIM_BODY = {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
+VICTIM_BODY["ignore_eos"] = True
+SHARED_PREFILL_TOKENS = 256  # the scheduler's default: a step's prefill with two clients in
+VOCAB = 49152
+
+
+class Abuser:
+    """Threads that run ``attack`` until stopped; each outcome (a status, or an error's name)
+    is counted."""
+
+    def __init__(self, url: str, attack: Callable[[Abuser], None], threads: int) -> None:
+        self.url = url
+        self.stop = threading.Event()
+        self.outcomes: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        self.sockets: list[socket.socket] = []
+        self._threads = [
+            threading.Thread(target=attack, args=(self,), daemon=True) for _ in range(threads)
+        ]
+
+    def count(self, outcome: str) -> None:
+        with self.lock:
+            self.outcomes[outcome] += 1
+
+    def post(self, body: dict[str, Any], stream: bool = False) -> None:
+        transport = httpx.HTTPTransport(local_address=ABUSER)
+        try:
+            with httpx.Client(transport=transport, timeout=600) as client:
+                if not stream:
+                    self.count(
+                        str(client.post(self.url + "/v1/completions", json=body).status_code)
+                    )
+                    return
+                with client.stream("POST", self.url + "/v1/completions", json=body) as res:
+                    self.count(str(res.status_code))
+                    for _ in res.iter_bytes():
+                        if self.stop.is_set():
+                            return
+        except httpx.HTTPError as exc:
+            self.count(type(exc).__name__)
+
+    def __enter__(self) -> Abuser:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def wait_until_in(self, timeout_s: float) -> None:
+        """Until every thread's first request has an answer (a stream: its headers), which
+        for the engine means queued; at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while sum(self.outcomes.values()) < len(self._threads) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for sock in self.sockets:
+            sock.close()
+        for t in self._threads:
+            t.join(timeout=60)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, VOCAB) for _ in range(n)]
+
+
+def once(body: dict[str, Any], stream: bool = False) -> Callable[[Abuser], None]:
+    def attack(a: Abuser) -> None:
+        a.post(body, stream)
+
+    return attack
+
+
+def again(make: Callable[[], dict[str, Any]]) -> Callable[[Abuser], None]:
+    def attack(a: Abuser) -> None:
+        while not a.stop.is_set():
+            a.post(make())
+
+    return attack
+
+
+def slowloris(count: int) -> Callable[[Abuser], None]:
+    def attack(a: Abuser) -> None:
+        host, port = a.url.removeprefix("http://").split(":")
+        for _ in range(count):
+            try:
+                sock = socket.create_connection((host, int(port)), source_address=(ABUSER, 0))
+                sock.send(b"POST /v1/completions HTTP/1.1\r\n")
+                a.sockets.append(sock)
+            except OSError as exc:
+                a.count(type(exc).__name__)
+        a.count(f"{len(a.sockets)} connections held")
+        while not a.stop.wait(1.0):
+            for sock in a.sockets:
+                try:
+                    sock.send(b"X")
+                except OSError:
+                    a.count("closed by the server")
+                    a.sockets.remove(sock)
+                    break
+
+    return attack
+
+
+def never_read(a: Abuser) -> None:
+    host, port = a.url.removeprefix("http://").split(":")
+    body = '{"prompt": "Never read", "max_tokens": 4000, "ignore_eos": true, "stream": true}'
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.bind((ABUSER, 0))
+    sock.connect((host, int(port)))
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    a.sockets.append(sock)
+    a.count("sent")
+
+
+SCENARIOS: dict[str, Callable[[str], Abuser]] = {
+    "long_prompts": lambda url: Abuser(
+        url, once({"prompt": ids(8000, 1), "max_tokens": 16, "stream": True}, stream=True), 64
+    ),
+    "wide_n": lambda url: Abuser(url, once({"prompt": "Hi", "n": 128, "max_tokens": 8000}), 8),
+    "stop_strings": lambda url: Abuser(
+        url,
+        again(lambda: {"prompt": "Hi", "n": 16, "stop": [f"s{i}" for i in range(80000)]}),
+        1,
+    ),
+    "big_id_lists": lambda url: Abuser(
+        url, again(lambda: {"prompt": ids(200_000, 2), "max_tokens": 4}), 2
+    ),
+    "slowloris": lambda url: Abuser(url, slowloris(600), 1),
+    "never_read": lambda url: Abuser(url, never_read, 4),
+}
+
+
+def victim_latency(url: str, runs: int = 3) -> float:
+    """The victim's median end-to-end latency (s) over ``runs`` requests."""
+    transport = httpx.HTTPTransport(local_address=VICTIM)
+    times = []
+    with httpx.Client(transport=transport, timeout=600) as client:
+        for _ in range(runs):
+            start = time.monotonic()
+            res = client.post(url + "/v1/completions", json=VICTIM_BODY)
+            res.raise_for_status()
+            assert res.json()["usage"]["completion_tokens"] == 16
+            times.append(time.monotonic() - start)
+    return statistics.median(times)
+
+
+def step_time(url: str) -> float:
+    """An idle step of ``SHARED_PREFILL_TOKENS`` prompt tokens (median of 3)."""
+    body = {"prompt": ids(SHARED_PREFILL_TOKENS, 3), "max_tokens": 1}
+    times = []
+    for _ in range(3):
+        start = time.monotonic()
+        httpx.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
+        times.append(time.monotonic() - start)
+    return statistics.median(times)
+
+
+def blocks_in_use(url: str) -> int:
+    kv = httpx.get(url + "/debug/kv.json", timeout=60).json()
+    return sum(b["state"] == "in_use" for b in kv["blocks"])
+
+
+def settle(url: str, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (used := blocks_in_use(url)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return used
+
+
+COLUMNS = ["abusive client", "its requests got", "victim p50 (s)", "vs idle", "bound (s)", "met"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument(
+        "--warmup-s", type=float, default=60.0, help="at most this long for the abuse to start"
+    )
+    p.add_argument("--serve-args", default="", help="extra `pagekv serve` flags")
+    record.add_argument(p)
+    args = p.parse_args()
+    proc, url = start_server(args.serve_args.split())
+    rows: list[list[record.Cell]] = []
+    try:
+        victim_latency(url, 1)  # warm up
+        idle = victim_latency(url)
+        step = step_time(url)
+        bound = 3 * idle + step
+        print(f"idle victim {idle:.3f} s, one step {step:.3f} s: bound {bound:.3f} s", flush=True)
+        rows.append(["(none: idle)", "", round(idle, 3), "1.00x", round(bound, 3), ""])
+        for name in args.scenarios.split(","):
+            with SCENARIOS[name](url) as abuser:
+                abuser.wait_until_in(args.warmup_s)
+                time.sleep(1.0)
+                loaded = victim_latency(url)
+            left = settle(url)
+            got = ", ".join(f"{k}: {v}" for k, v in sorted(abuser.outcomes.items()))
+            met = "yes" if loaded <= bound and left == 0 else "no"
+            note = f"{got}; {left} blocks in use after" if left else got
+            print(f"{name:14s} victim {loaded:7.3f} s ({loaded / idle:5.2f}x) {met}  [{note}]")
+            rows.append([name, note, round(loaded, 3), f"{loaded / idle:.2f}x", round(bound, 3)])
+            rows[-1].append(met)
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    if args.record is not None:
+        record.save(
+            args.record or "abuse",
+            "A victim's 16-token request while another client abuses the server",
+            COLUMNS,
+            rows,
+            "`pagekv serve` with default flags"
+            + (f" and {args.serve_args}" if args.serve_args else "")
+            + "; the victim from another address (another client), 3 requests, median; bound: "
+            "3x its idle latency plus one step (an idle 256-token prefill).",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
