@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from pagekv.core.batch_prefix import blocks_completed, next_block_in
 from pagekv.core.block_pool import BlockHash
-from pagekv.core.fair_share import prefill_shares, take_share
+from pagekv.core.fair_share import ContendedBudget, take_share
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan, ScheduledRequest
 from pagekv.core.policy import RequestOrder, RequestQueue, SchedulingPolicy, check_priority
@@ -97,6 +97,7 @@ class Scheduler:
         queues = (self.running, self.waiting, self.swapped)
         self.preemptor = Preemptor(config, kv, self.counters, queues, clock)
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
+        self.contended = ContendedBudget(config)  # fair: a step's prefill among clients
         self._preempted_last_step = False
         self._running_sorted = True  # False once a request joins ``running`` out of order
         spec = config.num_speculative_tokens
@@ -257,7 +258,7 @@ class Scheduler:
         if not self._running_sorted:
             self.running.sort(key=self.order.key)
             self._running_sorted = True
-        shares = prefill_shares(self.running, self.waiting, budget, self.config)
+        shares = self.contended.shares(self.running, self.waiting, budget, self.clock())
         scheduled, budget = self._schedule_running(budget, preempted, shares)
         if not preempted and not self.swapped:
             scheduled += self._admit(budget, scheduled, shares)
@@ -394,6 +395,7 @@ class Scheduler:
         Returns the requests that reached a token-level stop (eos, stop token, length); they
         are finished and their blocks released here. Stop strings are the engine's to check.
         """
+        self.contended.step_done(plan, self.clock())
         finished: list[Request] = []
         block_size, commit, running = self.kv.block_size, self.kv.commit, RequestStatus.RUNNING
         release = self.kv.release_outside_window  # sliding windows only

@@ -35,6 +35,7 @@ class LoopMetrics(Protocol):
     """What the engine thread reports (implemented by ``metrics.Metrics``)."""
 
     def first_token(self, ttft_s: float) -> None: ...
+    def step_done(self, seconds: float) -> None: ...
     def finished(
         self, output: RequestOutput, arrival_s: float, first_token_s: float, now_s: float
     ) -> None: ...
@@ -223,6 +224,7 @@ class EngineLoop:
                 return commands
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception:
@@ -231,6 +233,7 @@ class EngineLoop:
             self._fail_all(EngineDeadError("the engine stopped after an internal error"))
             return
         now = time.monotonic()
+        self.metrics.step_done(now - start)
         for output in outputs:
             self._deliver(output, now)
 

@@ -45,6 +45,7 @@ COUNTER_HELP = {
 }
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+STEP_BUCKETS_S = tuple(round(0.001 * 1.25**i, 6) for i in range(50))  # 1 ms to 56 s, by 25%
 TPOT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -108,6 +109,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.step = Histogram(
+            PREFIX + "step_seconds",
+            "Engine steps: the time of each (one batch through the model).",
+            buckets=STEP_BUCKETS_S,
+            registry=r,
+        )
         self.success = Counter(
             PREFIX + "request_success",
             "Requests that finished, by finish reason.",
@@ -131,6 +138,9 @@ class Metrics:
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+
+    def step_done(self, seconds: float) -> None:
+        self.step.observe(seconds)
 
     def finished(
         self, output: RequestOutput, arrival_s: float, first_token_s: float, now_s: float

@@ -3,13 +3,15 @@ so one client's queue of long prompts neither delays nor slows another client's 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
-from pagekv.core.fair_share import waterfill
+from pagekv.core.fair_share import MIN_SHARED_TOKENS, ContendedBudget, waterfill
 from pagekv.core.invariants import check_no_leak
 from pagekv.core.policy import FairTurns
+from pagekv.core.scheduler import Scheduler, SchedulerConfig
 from tests.core.fakes import (
     FakeRunner,
     StepLog,
@@ -26,6 +28,35 @@ def test_waterfill_gives_small_demands_all_and_splits_the_rest() -> None:
     assert waterfill({"a": 300}, 256) == {"a": 256}
     shares = waterfill({k: random.Random(k).randint(1, 500) for k in range(20)}, 1000)
     assert sum(shares.values()) <= 1000 and min(shares.values()) >= 1
+
+
+def ticking(sched: Scheduler) -> Scheduler:
+    """Every step takes one tick of its clock: the contended budget stays at its cap."""
+    ticks = itertools.count()
+    sched.clock = lambda: float(next(ticks))
+    return sched
+
+
+def test_the_contended_budget_follows_step_times() -> None:
+    budget = ContendedBudget(SchedulerConfig(policy="fair", shared_prefill_tokens=256))
+    budget.observe(0.5, 100, contended=True)  # no decode-only step seen yet: unchanged
+    assert budget.tokens == 256
+    budget.observe(0.010, 0, contended=True)  # decodes alone: 10 ms
+    budget.observe(0.080, 256, contended=True)  # 4x the target of 20 ms: halved at most
+    assert budget.tokens == 128
+    budget.observe(0.040, 128, contended=True)
+    assert budget.tokens == 64
+    budget.observe(0.020, 64, contended=True)  # on target: kept
+    assert budget.tokens == 64
+    budget.observe(0.005, 64, contended=True)  # far under: doubled at most, never past cap
+    budget.observe(0.005, 128, contended=True)
+    budget.observe(0.005, 256, contended=True)
+    assert budget.tokens == 256
+    for _ in range(20):
+        budget.observe(10.0, 16, contended=True)
+    assert budget.tokens == MIN_SHARED_TOKENS
+    budget.observe(0.001, 16, contended=False)  # a step of one client: no steering
+    assert budget.tokens == MIN_SHARED_TOKENS
 
 
 def test_turns_of_one_client_are_arrival_order_and_a_newcomer_goes_next() -> None:
@@ -61,7 +92,9 @@ def test_one_client_is_served_exactly_as_fcfs(policy: str) -> None:
 
 
 def test_a_short_request_of_another_client_overtakes_a_queue_of_long_prompts() -> None:
-    sched = make_scheduler(400, max_num_batched_tokens=128, policy="fair", shared_prefill_tokens=32)
+    sched = ticking(
+        make_scheduler(400, max_num_batched_tokens=128, policy="fair", shared_prefill_tokens=32)
+    )
     runner = FakeRunner(sched.kv)
     for i in range(8):
         sched.add(make_request(f"long{i}", 300, 4, first=i, client="A"))
@@ -81,7 +114,9 @@ def test_a_short_request_of_another_client_overtakes_a_queue_of_long_prompts() -
 
 
 def test_alone_a_client_gets_the_whole_budget_again() -> None:
-    sched = make_scheduler(400, max_num_batched_tokens=128, policy="fair", shared_prefill_tokens=32)
+    sched = ticking(
+        make_scheduler(400, max_num_batched_tokens=128, policy="fair", shared_prefill_tokens=32)
+    )
     runner = FakeRunner(sched.kv)
     sched.add(make_request("b", 4, 3, client="B"))
     sched.add(make_request("a", 300, 2, first=1, client="A"))

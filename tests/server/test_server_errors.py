@@ -86,6 +86,15 @@ BAD_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
     ("max_tokens enormous", CMPL, _json({**OK, "max_tokens": 10**30}), 400, "max_tokens"),
     ("n zero", CMPL, _json({**OK, "n": 0}), 400, "n"),
     ("n 10000", CMPL, _json({**OK, "n": 10000}), 400, "n"),
+    (
+        "stop strings past the cap",
+        CMPL,
+        _json({**OK, "stop": [f"s{i}" for i in range(80)]}),
+        400,
+        "stop",
+    ),
+    ("stop string too long", CMPL, _json({**OK, "stop": "x" * 5000}), 400, "stop"),
+    ("prompt ids past the context", CMPL, _json({**OK, "prompt": [5] * 9000}), 400, "prompt"),
     ("n bool", CMPL, _json({**OK, "n": True}), 400, "n"),
     ("top_p 2", CMPL, _json({**OK, "top_p": 2}), 400, "top_p"),
     ("temperature negative", CMPL, _json({**OK, "temperature": -1}), 400, "temperature"),
@@ -319,6 +328,37 @@ def test_bad_request_gets_its_4xx(
         assert error["param"] == param
     if param == "model":
         assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_p": 1e-300},
+        {"top_p": 5e-324},
+        {"top_p": 1e-300, "top_k": 1},
+        {"repetition_penalty": 1e-300},
+        {"repetition_penalty": 1e-40},
+    ],
+    ids=["top_p 1e-300", "top_p 5e-324", "top_p and top_k", "rep 1e-300", "rep 1e-40"],
+)
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_parameters_that_underflow_give_sensible_text(
+    server: ServerProcess, path: str, params: dict[str, float]
+) -> None:
+    """Values that underflow float32 once made every logit -inf and every token the last id of
+    the vocabulary (greedy: "." over and over): now a top_p this small keeps the top token (the
+    greedy text) and a tiny repetition penalty still samples finite rows."""
+    body = {**(GREEDY if path == CMPL else GREEDY_CHAT), "temperature": 1.0, **params}
+    res = server.post(path, body)
+    assert res.status_code == 200, res.text
+    choice = res.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    text = choice["text"] if path == CMPL else choice["message"]["content"]
+    greedy = server.post(path, GREEDY if path == CMPL else GREEDY_CHAT).json()["choices"][0]
+    if "top_p" in params:
+        assert text == (greedy["text"] if path == CMPL else greedy["message"]["content"])
+    else:  # a penalty below 1 rewards repeating the prompt, not one junk token
+        assert text.strip() and set(text.strip()) != {"."} and "\ufffd" not in text
 
 
 def _greedy_texts(server: ServerProcess) -> tuple[str, str]:
