@@ -23,6 +23,7 @@ after each scenario must be 0.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -59,6 +60,7 @@ class Abuser:
         self.outcomes: Counter[str] = Counter()
         self.lock = threading.Lock()
         self.sockets: list[socket.socket] = []
+        self.clients: list[httpx.Client] = []  # closed on exit: their requests end with them
         self._threads = [
             threading.Thread(target=attack, args=(self,), daemon=True) for _ in range(threads)
         ]
@@ -71,6 +73,8 @@ class Abuser:
         transport = httpx.HTTPTransport(local_address=ABUSER)
         try:
             with httpx.Client(transport=transport, timeout=600) as client:
+                with self.lock:
+                    self.clients.append(client)
                 if not stream:
                     self.count(
                         str(client.post(self.url + "/v1/completions", json=body).status_code)
@@ -100,8 +104,12 @@ class Abuser:
         self.stop.set()
         for sock in self.sockets:
             sock.close()
+        with self.lock:
+            for client in self.clients:
+                client.close()  # from here: a thread blocked on a read fails and ends
+        deadline = time.monotonic() + 30
         for t in self._threads:
-            t.join(timeout=60)
+            t.join(timeout=max(deadline - time.monotonic(), 0.1))
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -125,9 +133,24 @@ def again(make: Callable[[], dict[str, Any]]) -> Callable[[Abuser], None]:
 
 
 def long_prompt(a: Abuser) -> None:
-    """A streaming request of its own 8,000-token prompt (no prefix shared with another)."""
-    seed = threading.get_ident()
-    a.post({"prompt": ids(8000, seed), "max_tokens": 16, "stream": True}, stream=True)
+    """A streaming request of its own 8,000-token prompt (no prefix shared with another), on a
+    socket held until the scenario ends (closing it aborts the request)."""
+    body = json.dumps({"prompt": ids(8000, threading.get_ident()), "max_tokens": 16})
+    raw_post(a, body.replace("}", ', "stream": true}'), rcvbuf=1 << 20)
+
+
+def raw_post(a: Abuser, body: str, rcvbuf: int) -> None:
+    host, port = a.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.bind((ABUSER, 0))
+    sock.connect((host, int(port)))
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    with a.lock:
+        a.sockets.append(sock)
+    status = sock.recv(12).decode(errors="replace")[9:12]  # "HTTP/1.1 200"
+    a.count(status or "closed")
 
 
 def slowloris(count: int) -> Callable[[Abuser], None]:
@@ -154,16 +177,8 @@ def slowloris(count: int) -> Callable[[Abuser], None]:
 
 
 def never_read(a: Abuser) -> None:
-    host, port = a.url.removeprefix("http://").split(":")
     body = '{"prompt": "Never read", "max_tokens": 4000, "ignore_eos": true, "stream": true}'
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.bind((ABUSER, 0))
-    sock.connect((host, int(port)))
-    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
-    a.sockets.append(sock)
-    a.count("sent")
+    raw_post(a, body, rcvbuf=4096)
 
 
 SCENARIOS: dict[str, Callable[[str], Abuser]] = {

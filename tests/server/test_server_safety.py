@@ -190,3 +190,24 @@ def test_many_held_connections_do_not_lock_out_a_client(server: ServerProcess) -
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_stream_left_during_its_prefill_is_aborted_at_once(server: ServerProcess) -> None:
+    """A client that leaves before its first token (a long prompt still in prefill) has its
+    request aborted on the disconnect, not when a token would fail to send: no first token is
+    ever made for it."""
+
+    def counts() -> tuple[float, float]:
+        metrics = server.metrics()
+        first_tokens = metrics[("pagekv_time_to_first_token_seconds_count", ())]
+        return first_tokens, metrics.get(("pagekv_request_aborted_total", ()), 0.0)
+
+    first_tokens, aborted = counts()
+    body = {"prompt": [(13 * k) % 30000 + 100 for k in range(6000)], "max_tokens": 4}
+    sock = send_without_reading(server, "/v1/completions", {**body, "stream": True})
+    try:
+        assert wait_until(lambda: block_states(server.kv())["in_use"] > 0, timeout_s=30)
+    finally:
+        sock.close()
+    assert wait_until(lambda: nothing_in_use(server), timeout_s=60)
+    assert counts() == (first_tokens, aborted + 1)
