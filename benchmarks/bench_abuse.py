@@ -309,7 +309,8 @@ def main() -> int:
             "`pagekv serve` with default flags"
             + (f" and {args.serve_args}" if args.serve_args else "")
             + "; the victim from another address (another client), 3 requests, median; bound: "
-            "3x its idle latency plus one step (an idle 256-token prefill).",
+            "3x its idle latency plus the longest step while it ran (the server's step "
+            "histogram, to 25%; at least an idle 256-token prefill).",
         )
     return 0
 
