@@ -80,7 +80,13 @@ class StructuredOutputs:
             self._grammars.move_to_end(key)
             return grammar
         grammar = self._build(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._library_tokenizer())
+        tokenizer = self._library_tokenizer()
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if not error:  # it compiles; its first mask shows whether it admits any output
+            probe = llguidance.LLMatcher(tokenizer, grammar)
+            self._fill(probe, np.empty(self.mask_words, dtype=np.int32))
+            if probe.is_error():
+                error = "admits no output: " + probe.get_error().strip().splitlines()[0]
         if error:
             raise InvalidRequestError(
                 f"{PARAM}.{constraint.kind}: {error.strip()}", f"{PARAM}.{constraint.kind}"

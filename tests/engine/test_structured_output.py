@@ -240,6 +240,7 @@ def test_drafted_decodes_check_their_drafts_against_the_grammar(loaded: LoadedMo
         ({"json": {"type": "no-such-type"}}, "structured_outputs.json"),
         ({"json": "{not json"}, "structured_outputs.json"),
         ({"json": {"allOf": [{"type": "string"}, {"type": "integer"}]}}, "structured_outputs.json"),
+        ({"json": {"$ref": "#"}}, "structured_outputs.json"),  # itself: no output at all
         ({"regex": "(("}, "structured_outputs.regex"),
         ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
     ],

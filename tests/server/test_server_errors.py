@@ -143,6 +143,13 @@ BAD_BODIES: list[tuple[str, str, bytes, int, str | None]] = [
         400,
         "response_format",
     ),
+    (
+        "self-referencing guided_json",
+        CMPL,
+        _json({**OK, "guided_json": {"$ref": "#"}}),
+        400,
+        "guided_json",
+    ),
     ("bad guided_regex", CMPL, _json({**OK, "guided_regex": "(("}), 400, "guided_regex"),
     ("empty guided_choice", CMPL, _json({**OK, "guided_choice": []}), 400, "guided_choice"),
     (
