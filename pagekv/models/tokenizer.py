@@ -45,9 +45,10 @@ class Tokenizer:
             special["bos_token"] = self.id_to_token(bos_token_id)
         self._template = None if chat_template is None else ChatTemplate(chat_template, special)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of text; BOS only if the model's metadata asks for it."""
-        return list(self._backend.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; BOS only if the model's metadata asks for it (and
+        ``add_special_tokens``: False for a fragment such as a bad word)."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ids; control tokens such as <|im_end|> are dropped unless asked for."""
