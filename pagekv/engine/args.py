@@ -4,7 +4,8 @@ engine (``pagekv generate/chat/serve`` and ``pagekv bench``).
 Owns only the mapping between flags and config fields. Each option's ``dest`` is the field's
 name, so ``engine_config`` reads back every field the parser defined and nothing else; the
 checks stay in ``EngineConfig.__post_init__`` (a bad value is an ``InvalidRequestError`` there,
-whichever front end it came from).
+whichever front end it came from), which also reads vLLM's forms: ``--max-model-len 4k``,
+``--max-num-batched-tokens 8k``, ``--swap-space 4`` (GiB), ``--dtype half``.
 """
 
 from __future__ import annotations
@@ -37,9 +38,25 @@ def add_engine_arguments(
 def _add_model_options(g: argparse._ArgumentGroup) -> None:
     """Which weights, in which dtype, kept quantized or not."""
     g.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)"
+        "--model",
+        default=None,
+        help="GGUF file, HF directory, or HF model id in the local HF cache (default: "
+        "SmolLM2-135M-Instruct)",
     )
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument(
+        "--tokenizer", default=None, help="another tokenizer than the model's (path or HF id)"
+    )
+    g.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", "float32", "float", "bfloat16", "half", "float16"],
+        help="auto and float are float32; half and float16 run as bfloat16 (default: float32)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (default): the KV cache in --dtype; no KV quantization (fp8) here",
+    )
     g.add_argument(
         "--quantization",
         default="auto",
@@ -70,6 +87,22 @@ def _add_model_options(g: argparse._ArgumentGroup) -> None:
         default=0.9,
         help="on a GPU: the share of its memory the engine may use (weights, KV blocks)",
     )
+    _add_single_device_options(g)
+
+
+def _add_single_device_options(g: argparse._ArgumentGroup) -> None:
+    """vLLM's options that change nothing here (one process, one device, no model code run);
+    other values than these are refused by name."""
+    for name in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        g.add_argument(name, type=int, default=1, help="1 only: one model on one device")
+    g.add_argument(
+        "--enforce-eager", action="store_true", help="accepted; no CUDA graphs are captured here"
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted; no code from a model directory is ever run here",
+    )
 
 
 def _add_kv_cache_options(g: argparse._ArgumentGroup, kv_cache_memory: str) -> None:
@@ -82,8 +115,21 @@ def _add_kv_cache_options(g: argparse._ArgumentGroup, kv_cache_memory: str) -> N
 def _add_batching_options(g: argparse._ArgumentGroup) -> None:
     """What one step may hold, and the threads that run it."""
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--max-num-batched-tokens", default=2048, help="tokens in one step; 8k = 8000, 2K = 2048"
+    )
+    g.add_argument(
+        "--max-model-len",
+        default=None,
+        help="context per request: an int, or 4k (4000), 32K (32768), 25.6k (25600); default "
+        "(or auto): the model's",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs or prompt_logprobs a request may ask for (default: 20)",
+    )
     g.add_argument(
         "--num-threads",
         type=int,
@@ -105,7 +151,12 @@ def _add_block_reuse_options(g: argparse._ArgumentGroup) -> None:
         default="recompute",
         help="what to do when blocks run out: recompute or swap (EngineConfig checks the value)",
     )
-    g.add_argument("--swap-space", default="0", help="host memory for swapped blocks, e.g. 4GiB")
+    g.add_argument(
+        "--swap-space",
+        default="0",
+        help="host memory for swapped blocks in GiB, as vLLM (4 = 4 GiB), or with a unit "
+        "(512MiB); default: 0",
+    )
     g.add_argument(
         "--scheduling-policy",
         default="fair",

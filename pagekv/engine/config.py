@@ -1,6 +1,9 @@
 """Engine configuration: one frozen dataclass, validated once. No torch.
 
-Sizes accept ints (bytes) or strings like "1GiB", "512MiB", "2GB".
+Sizes accept ints (bytes) or strings like "1GiB", "512MiB", "2GB"; ``swap_space`` is vLLM's,
+in GiB when a number. vLLM's spellings (``dtype="auto"``, ``max_model_len="4k"``, None for
+"the default") are read into this engine's values as the config is built (vllm_forms.py), so
+a config holds resolved values only.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from dataclasses import dataclass, field
 
 from pagekv.core.scheduler import PreemptionCostModel, PreemptionMode, SchedulingPolicy
 from pagekv.core.tier_policy import WritePolicy
+from pagekv.engine import vllm_forms
 from pagekv.errors import InvalidRequestError
 from pagekv.models.config import ModelConfig
+from pagekv.sampling_params import MAX_LOGPROBS
 from pagekv.tiering.store import KVStore
 
 _UNITS = {
@@ -49,14 +54,39 @@ def parse_bytes(value: int | str, param: str) -> int:
     return num
 
 
+def swap_space_bytes(value: float | str) -> int:
+    """vLLM's ``swap_space``: a number, or a string of one as on the command line ("4"), is
+    GiB; a string with a unit ("512MiB") is read by ``parse_bytes``."""
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"swap_space: GiB, got {value!r}", "swap_space")
+    if isinstance(value, str) and not re.fullmatch(r"\s*\d+(\.\d+)?\s*", value):
+        return parse_bytes(value, "swap_space")
+    try:
+        gib = float(value)
+    except (TypeError, ValueError):
+        raise InvalidRequestError(
+            f"swap_space: GiB or a size like '512MiB', got {value!r:.80}", "swap_space"
+        ) from None
+    if not 0 <= gib < float("inf"):
+        raise InvalidRequestError(f"swap_space: must be >= 0 GiB, got {value!r}", "swap_space")
+    return int(gib * 2**30)
+
+
 QUANTIZATION_MODES = ("auto", "gguf", "none")
 GGUF_ACTIVATIONS = ("auto", "dtype", "int8")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    dtype: str = "float32"  # "float32" | "bfloat16": activations, KV cache, dense weights
+    # None: the default SmolLM2-135M-Instruct GGUF; else a GGUF file, an HF directory, or a
+    # Hugging Face model id found in the local HF cache (models/hub.py; never downloaded)
+    model: str | None = None
+    # Another tokenizer than the model's (a GGUF file, an HF directory or id); None: the model's
+    tokenizer: str | None = None
+    # "float32" | "bfloat16": activations, KV cache, dense weights. vLLM's names are read too:
+    # "auto" (float32), "float", "half"/"float16" (run as bfloat16, with a warning).
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # the KV cache is in dtype: "auto" or dtype's own name
     # A GGUF file's quantized matmul weights: "gguf" keeps them GGUF blocks (the kernels
     # dequantize them as they multiply), "none" dequantizes them to dtype at load, "auto"
     # keeps them where the C kernels run here.
@@ -71,7 +101,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | str = "1GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    swap_space: int | str = 0  # host pool bytes for swap preemption (the same pool as below)
+    # host pool for swap preemption (the same pool as below): GiB (vLLM's unit), or a size
+    # with a unit such as "512MiB"
+    swap_space: float | str = 0
     host_cache_memory: int | str = 0  # host pool bytes: a host prefix cache, and swap space
     kv_store: str | KVStore | None = None  # "file:DIR", "redis://H:P", "mooncake://H:P", a store
     cache_write_policy: str = "write_through"  # | "write_through_selective" | "write_back"
@@ -83,8 +115,19 @@ class EngineConfig:
     kv_store_secret: str | None = field(default=None, repr=False)
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context length
+    max_num_batched_tokens: int = 2048  # or vLLM's human-readable form: "8k", "2K"
+    # None (or "auto", -1): the model's context length; an int or "4k" (4000), "1K" (1024)
+    max_model_len: int | None = None
+    max_logprobs: int = 20  # the most logprobs (and prompt_logprobs) a request may ask for
+    # Unseeded requests draw from seeds derived from this one and their arrival order, so a
+    # run is reproducible (as vLLM's seed makes it); None: they draw from torch's global RNG.
+    seed: int | None = None
+    # vLLM's arguments that change nothing on this engine: one process, one device; no CUDA
+    # graphs to turn off; no code in a model directory is ever run.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
+    trust_remote_code: bool = False
     # torch's intra-op threads (process-wide), which the C kernels follow; None: torch's default
     num_threads: int | None = None
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto" (per victim, by cost)
@@ -118,11 +161,48 @@ class EngineConfig:
                 "gpu_memory_utilization",
             )
 
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
+    def _resolve_vllm_forms(self) -> None:
+        """vLLM's spellings and None-for-default, replaced by the values they mean here (the
+        config is still being built: frozen from here on)."""
+        for name, default in _NONE_MEANS_DEFAULT.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        object.__setattr__(self, "dtype", vllm_forms.engine_dtype(self.dtype))
+        object.__setattr__(self, "max_model_len", vllm_forms.context_length(self.max_model_len))
+        batched = vllm_forms.human_readable_int(
+            self.max_num_batched_tokens, "max_num_batched_tokens"
+        )
+        object.__setattr__(self, "max_num_batched_tokens", batched)
+
+    def _check_vllm_arguments(self) -> None:
+        vllm_forms.check_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise InvalidRequestError(
+                    f"{name} must be 1: this engine runs one model on one device, got "
+                    f"{getattr(self, name)!r}",
+                    name,
+                )
+        for name in ("enforce_eager", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False", name)
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InvalidRequestError(f"seed must be an integer or None, got {seed!r}", "seed")
+        most = self.max_logprobs
+        if isinstance(most, bool) or not isinstance(most, int) or not 0 <= most <= MAX_LOGPROBS:
             raise InvalidRequestError(
-                f"dtype must be float32 or bfloat16, got {self.dtype!r}", "dtype"
+                f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] on this engine, "
+                f"got {most!r}",
+                "max_logprobs",
             )
+        tokenizer = self.tokenizer
+        if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
+            raise InvalidRequestError("tokenizer: a path or model id, or None", "tokenizer")
+
+    def __post_init__(self) -> None:
+        self._resolve_vllm_forms()
+        self._check_vllm_arguments()
         _check_one_of("quantization", self.quantization, QUANTIZATION_MODES)
         _check_one_of("gguf_activations", self.gguf_activations, GGUF_ACTIVATIONS)
         self._check_device()
@@ -138,7 +218,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks must be >= 1", "num_kv_blocks")
         parse_bytes(self.kv_cache_memory, "kv_cache_memory")
-        parse_bytes(self.swap_space, "swap_space")
+        swap_space_bytes(self.swap_space)
         parse_bytes(self.host_cache_memory, "host_cache_memory")
         WritePolicy.parse(self.cache_write_policy)
         store = self.kv_store
@@ -170,6 +250,16 @@ class EngineConfig:
             )
 
 
+# vLLM's None for "the engine's default" (its LLM passes None for unset arguments)
+_NONE_MEANS_DEFAULT = {
+    "quantization": "auto",
+    "enable_prefix_caching": True,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 2048,
+    "kv_cache_dtype": "auto",
+}
+
+
 def _check_one_of(name: str, value: object, choices: Sequence[str]) -> None:
     if value not in choices:
         raise InvalidRequestError(f"{name} must be one of {list(choices)}, got {value!r}", name)
@@ -198,7 +288,7 @@ DEFAULT_STORE_HOST_CACHE = 256 * 2**20  # host pool given to a storage tier conf
 def host_pool_bytes(config: EngineConfig) -> int:
     """One host pool serves swapping and the host cache; a storage tier needs one to land in."""
     size = max(
-        parse_bytes(config.swap_space, "swap_space"),
+        swap_space_bytes(config.swap_space),
         parse_bytes(config.host_cache_memory, "host_cache_memory"),
     )
     if config.kv_store is not None and size == 0:
