@@ -35,11 +35,11 @@ class LoopMetrics(Protocol):
     """What the engine thread reports (implemented by ``metrics.Metrics``)."""
 
     def first_token(self, ttft_s: float) -> None: ...
-    def step_done(self, seconds: float) -> None: ...
+    def step_done(self, start_s: float, now_s: float, outputs: list[RequestOutput]) -> None: ...
     def finished(
         self, output: RequestOutput, arrival_s: float, first_token_s: float, now_s: float
     ) -> None: ...
-    def aborted(self) -> None: ...
+    def aborted(self, request_id: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class EngineLoop:
     def abort_now(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             if self._tracked.pop(rid, None) is not None and self.engine.abort_request(rid):
-                self.metrics.aborted()
+                self.metrics.aborted(rid)
 
     def _run(self) -> None:
         while not self.stopping:
@@ -233,7 +233,7 @@ class EngineLoop:
             self._fail_all(EngineDeadError("the engine stopped after an internal error"))
             return
         now = time.monotonic()
-        self.metrics.step_done(now - start)
+        self.metrics.step_done(start, now, outputs)
         for output in outputs:
             self._deliver(output, now)
 

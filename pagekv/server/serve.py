@@ -15,6 +15,7 @@ from pagekv.server.engine_loop import EngineLoop
 from pagekv.server.metrics import Metrics
 from pagekv.server.settings import ServerConfig
 from pagekv.server.state import ServerState
+from pagekv.server.vllm_metrics import ServedModel
 
 logger = logging.getLogger("pagekv.server")
 
@@ -24,6 +25,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> tuple[FastAPI, Engine
     metrics = Metrics()
     loop = EngineLoop(engine, metrics, config.max_waiting_requests)
     state = ServerState.create(engine, config, loop, metrics)
+    metrics.export_vllm_names(ServedModel.of(engine, state.model_name))
     return build_app(state), loop
 
 
