@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
 import weakref
 from dataclasses import asdict, replace
 from typing import Any
@@ -19,7 +18,6 @@ import torch
 
 from pagekv.core import invariants
 from pagekv.core.kv_cache_manager import KVCacheManager
-from pagekv.core.plan import Plan
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler import (
     PreemptionCostModel,
@@ -40,7 +38,6 @@ from pagekv.engine.config import (
     parse_bytes,
     uses_lower_tiers,
 )
-from pagekv.engine.detokenizer import TokenTexts
 from pagekv.engine.device import gpu_kv_bytes, resolve_device
 from pagekv.engine.outputs import FINISH_ERROR, RequestOutput
 from pagekv.engine.prompts import (
@@ -49,13 +46,7 @@ from pagekv.engine.prompts import (
     check_token_ids,
     tokenize_prompt,
 )
-from pagekv.engine.request_group import (
-    FINISH_REASON,
-    Branch,
-    GroupSetup,
-    RequestGroup,
-    bad_words_token_ids,
-)
+from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
 from pagekv.engine.sanitizer import KVSanitizer
 from pagekv.engine.structured_output import StructuredOutputs
 from pagekv.engine.tier_setup import build_tiers, open_configured_store
@@ -152,7 +143,6 @@ class LLMEngine:
         device = resolve_device(config.device)
         self.loaded = loaded if loaded is not None else _load(config, dtype, device)
         self.tokenizer = self.loaded.tokenizer
-        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded tokens, memoised
         mcfg = self.loaded.config
         self.max_model_len = max_model_len(config, mcfg)
         block_bytes = KVCache.bytes_per_block(
@@ -239,15 +229,12 @@ class LLMEngine:
         params = self._seeded(params.fit_to_context(self._room_tokens(len(ids))))
         check_logprobs_limit(params, self.config.max_logprobs)
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
-        check_token_ids(params.logit_bias or (), vocab_size, "logit_bias")
-        check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")
-        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, vocab_size)
         self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         grammar = self.structured.compile(params.structured_outputs)
-        texts = self.token_texts
-        setup = GroupSetup(self.tokenizer, texts, cache_salt, priority, client, bad_words)
-        group = RequestGroup.create(request_id, (text, ids), params, setup)
+        group = RequestGroup.create(
+            request_id, (text, ids), params, self.tokenizer, (cache_salt, priority, client)
+        )
         self._groups[request_id] = group
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
@@ -281,8 +268,6 @@ class LLMEngine:
         """Ask the storage tier for the prefix blocks memory lacks, if waiting for them pays."""
         tiers = self.tiers
         if tiers is None or not tiers.available or not self.config.enable_prefix_caching:
-            return
-        if not request.reads_prefix_cache:
             return
         chain = self.kv.prefix_chain(request)
         start = 0
@@ -354,16 +339,10 @@ class LLMEngine:
             if plan.is_empty and self.scheduler.loading:
                 self.tiers.wait(0.005)  # nothing to run until a prefetch lands: nap, not spin
         masks = self.structured.masks(plan.scheduled) if len(self.structured) else None
-        scoring = self._track_scheduled(plan)
-        sampled = self.runner.execute(plan, masks, scoring)
+        sampled = self.runner.execute(plan, masks)
         if self.sanitizer is not None:
             self.sanitizer.after_execute(plan)
-        for rid, chunk in self.runner.take_prompt_logprobs().items():
-            scores = self._branch_of[rid][0].prompt_scores
-            if scores is not None:
-                scores.add(chunk)
         failed = self._end_non_finite(sampled)
-        failed |= self._end_prompt_only(sampled)
         finished = self.scheduler.update(
             plan,
             {rid: s.token_id for rid, s in sampled.items() if rid not in failed},
@@ -371,14 +350,12 @@ class LLMEngine:
         )
         done = {r.request_id for r in finished}
         changed: dict[str, RequestGroup] = {}
-        now = time.monotonic()
         for rid, token in sampled.items():
             if self.beams.owns(rid):
                 self.beams.report(rid, token.top_logprobs or [])
                 continue
             group, branch = self._branch_of[rid]
             changed[group.request_id] = group
-            group.on_tokens(now, token.non_finite)
             if rid in failed:
                 continue
             if token.verified:  # a drafted decode: the tokens it kept, one by one
@@ -402,33 +379,6 @@ class LLMEngine:
         if self.config.check_invariants:
             invariants.check_manager(self.kv)
         return outputs
-
-    def _track_scheduled(self, plan: Plan) -> dict[str, int]:
-        """Note when each group first runs; the requests whose prompt positions this step
-        feeds must be scored, with how many alternatives each (``ModelRunner.execute``)."""
-        now = time.monotonic()
-        scoring: dict[str, int] = {}
-        for entry in plan.scheduled:
-            found = self._branch_of.get(entry.request.request_id)
-            if found is None:
-                continue  # a beam
-            group = found[0]
-            group.on_scheduled(now)
-            num_top = group.needs_prompt_logprobs()
-            if num_top is not None:
-                scoring[entry.request.request_id] = num_top
-        return scoring
-
-    def _end_prompt_only(self, sampled: dict[str, SampledToken]) -> set[str]:
-        """End each request with max_tokens=0 that reached its first token (its prompt is
-        computed and scored) with finish_reason "length", the token dropped."""
-        ended = set()
-        for rid in sampled:
-            found = self._branch_of.get(rid)
-            if found is not None and found[1].request.params.max_tokens == 0:
-                self._finish(found[1], RequestStatus.FINISHED_LENGTH)
-                ended.add(rid)
-        return ended
 
     def _end_non_finite(self, sampled: dict[str, SampledToken]) -> set[str]:
         """End each request whose logits had no finite maximum with finish_reason "error"
