@@ -10,15 +10,26 @@ import argparse
 import itertools
 import logging
 import os
+import socket
 import sys
+import threading
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pagekv.bench import register as register_bench
 from pagekv.engine.args import add_engine_arguments, engine_config
+from pagekv.engine.config import EngineConfig
 from pagekv.engine.llm_engine import LLMEngine
-from pagekv.errors import PagekvError
+from pagekv.errors import InvalidRequestError, PagekvError
 from pagekv.sampling_params import SamplingParams
+from pagekv.server.cli_args import ServeHelpFormatter, add_serve_arguments
 from pagekv.sim.cli import register as register_sim
+
+if TYPE_CHECKING:
+    from pagekv.models.chat_template import ChatTemplate
+
+STARTUP_HEARTBEAT_S = 5.0
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -100,77 +111,105 @@ def _chat(args: argparse.Namespace) -> None:
     engine.close()
 
 
-def _serve(args: argparse.Namespace) -> None:
-    from pagekv.server.clients import ClientLimits
-    from pagekv.server.serve import serve
-    from pagekv.server.settings import ServerConfig
+def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Check every flag, take the port, then load the model and serve: a bad flag or a port in
+    use fails at once, not after the model has loaded."""
+    from pagekv.server.cli_args import check_serve_arguments, server_config
+    from pagekv.server.serve import bind
 
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_waiting_requests=args.max_waiting_requests,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        keep_alive_timeout_s=args.keep_alive_timeout,
-        stream_stall_timeout_s=args.stream_stall_timeout,
-        client_limits=ClientLimits(
-            args.client_max_requests, args.client_max_prompt_tokens, args.client_max_output_tokens
-        ),
-        metrics_require_key=args.metrics_require_key,
-    )
+    check_serve_arguments(parser, args)
     if args.model_path is not None:
         args.model = args.model_path
-    serve(_build_engine(args), config)  # the engine config's trace is serve's --trace
+    try:
+        server_config(args)  # its checks, before anything is loaded
+        config = engine_config(args)
+    except InvalidRequestError as exc:
+        flag = f"argument --{exc.param.replace('_', '-')}: " if exc.param else ""
+        parser.error(f"{flag}{exc}")
+    if args.chat_template is not None:
+        _chat_template(args.chat_template, {})  # does it compile? (its tokens come with the model)
+    _serve_logging()
+    sock = bind(args.host, args.port)
+    try:
+        engine = _load_for_serving(config)
+        try:
+            _serve_engine(args, engine, sock)
+        finally:
+            engine.close()
+    finally:
+        sock.close()
 
 
-def _serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL")
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument(
-        "--trace",
-        default=None,
-        metavar="FILE",
-        help="record each request's arrival, lengths and prefix-block hashes (no text) for "
-        "`pagekv sim --trace FILE`",
+def _serve_logging() -> None:
+    """Lines with their level and time, as vLLM's; pagekv's at info."""
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(levelname)s %(asctime)s %(message)s",
+        datefmt="%m-%d %H:%M:%S",
+        force=True,
     )
-    g.add_argument("--max-request-body-bytes", type=int, default=1 << 20)
-    g.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=1024,
-        help="answer 429 while this many requests wait for a batch slot",
-    )
-    g.add_argument(
-        "--metrics-require-key",
-        action="store_true",
-        help="/metrics needs the API key too (/debug always does when one is set)",
-    )
-    t = parser.add_argument_group("timeouts (seconds)")
-    t.add_argument("--header-timeout", type=float, default=10.0, help="request headers complete")
-    t.add_argument("--body-timeout", type=float, default=30.0, help="body complete (else 408)")
-    t.add_argument("--keep-alive-timeout", type=float, default=5.0, help="idle connection")
-    t.add_argument(
-        "--stream-stall-timeout",
-        type=float,
-        default=30.0,
-        help="abort a stream whose client reads nothing for this long",
-    )
-    c = parser.add_argument_group("per client (by address), in flight; past them: 429")
-    c.add_argument("--client-max-requests", type=int, default=256)
-    c.add_argument("--client-max-prompt-tokens", type=int, default=1 << 20)
-    c.add_argument(
-        "--client-max-output-tokens",
-        type=int,
-        default=1 << 19,
-        help="prompts x n x max_tokens of a client's requests",
-    )
+    logging.getLogger("pagekv").setLevel(logging.INFO)
+
+
+def _load_for_serving(config: EngineConfig) -> LLMEngine:
+    """The engine, with a line before, one every few seconds while it loads, and one after; the
+    engine's own lines between name the kernels and the KV pool."""
+    logger = logging.getLogger("pagekv.server")
+    model = config.model or "SmolLM2-135M-Instruct (the default)"
+    logger.info("loading the model %s (dtype %s)", model, config.dtype)
+    start = time.monotonic()
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(STARTUP_HEARTBEAT_S):
+            logger.info("still loading (%.0f s)", time.monotonic() - start)
+
+    threading.Thread(target=heartbeat, name="pagekv-loading", daemon=True).start()
+    try:
+        engine = LLMEngine(config)
+    finally:
+        done.set()
+    logger.info("engine ready in %.1f s", time.monotonic() - start)
+    return engine
+
+
+def _serve_engine(args: argparse.Namespace, engine: LLMEngine, sock: socket.socket) -> None:
+    """serve's config now that the model is known (its generation config, chat template)."""
+    from pagekv.server.cli_args import server_config
+    from pagekv.server.generation_defaults import sampling_defaults
+    from pagekv.server.serve import serve
+
+    defaults = sampling_defaults(args.generation_config, engine.loaded.path)
+    if defaults:
+        logging.getLogger("pagekv.server").warning(
+            "unset sampling fields default to the model's generation config (--generation-config "
+            "vllm for none): %s",
+            defaults,
+        )
+    render = None
+    if args.chat_template is not None:
+        render = _chat_template(args.chat_template, _special_tokens(engine)).render
+    serve(engine, server_config(args, defaults), sock, render)
+
+
+def _chat_template(text: str, special_tokens: dict[str, str]) -> ChatTemplate:
+    from pagekv.models.chat_template import ChatTemplate
+
+    try:
+        return ChatTemplate(text, special_tokens)
+    except PagekvError as exc:
+        raise PagekvError(f"--chat-template: {exc}") from None
+
+
+def _special_tokens(engine: LLMEngine) -> dict[str, str]:
+    """What a chat template may name: the model's BOS and EOS tokens."""
+    tokenizer = engine.tokenizer
+    out = {}
+    if tokenizer.eos_token_ids:
+        out["eos_token"] = tokenizer.id_to_token(tokenizer.eos_token_ids[0])
+    if tokenizer.bos_token_id is not None:
+        out["bos_token"] = tokenizer.id_to_token(tokenizer.bos_token_id)
+    return out
 
 
 def _kv_map(args: argparse.Namespace) -> None:
@@ -197,7 +236,8 @@ def _kv_map(args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``pagekv`` parser and its commands' parsers by name."""
     parser = argparse.ArgumentParser(prog="pagekv", description="PagedAttention inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete one prompt, streaming to the terminal")
@@ -209,10 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in (gen, chat):
         add_engine_arguments(p)
         _sampling_args(p)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _serve_args(serve)
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server", formatter_class=ServeHelpFormatter
+    )
     add_engine_arguments(serve)
-    serve.set_defaults(func=_serve)
+    add_serve_arguments(serve)  # after the engine's: a flag both know is the engine's
+    serve.set_defaults(func=lambda args: _serve(args, serve))
     kv_map = sub.add_parser("kv-map", help="save a running server's KV block map as a PNG")
     kv_map.add_argument("--url", default="http://127.0.0.1:8000")
     kv_map.add_argument("--out", default="kv_map.png")
@@ -223,7 +265,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     kv_map.set_defaults(func=_kv_map)
     register_bench(sub)
     register_sim(sub)
-    args = parser.parse_args(argv)
+    return parser, dict(sub.choices)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, commands = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # under the command's usage, not the top level's
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING)
     try:
         args.func(args)

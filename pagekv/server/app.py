@@ -4,37 +4,55 @@
 raised it, leaves through ``errors.error_body`` (one table from exception type to status).
 With an API key set, /v1 and /debug need it (and /metrics with ``metrics_require_key``);
 /health never does. The debug pages show prefix hashes keyed by the server's secret.
+Around the routes: the access log (a line per response), CORS when origins are allowed, and
+while the app runs, the periodic stats line.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from pagekv.engine.llm_engine import LLMEngine
 from pagekv.errors import InvalidRequestError, PagekvError
+from pagekv.server.access_log import AccessLog
 from pagekv.server.errors import (
     EngineDeadError,
     MethodNotAllowedError,
     RouteNotFoundError,
     error_body,
 )
+from pagekv.server.handling import require_api_key, state_of
 from pagekv.server.kv_page import render_kv_page
-from pagekv.server.openai_api import require_api_key, router, state_of
+from pagekv.server.openai_api import router
 from pagekv.server.state import ServerState
+from pagekv.server.stats_log import log_stats
+from pagekv.server.utility_api import utility_router
 
 logger = logging.getLogger("pagekv.server")
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="pagekv", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pagekv",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        root_path=state.config.root_path,
+        lifespan=_lifespan,
+    )
     app.state.pagekv = state
     app.include_router(router)
+    app.include_router(utility_router)
     keyed = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"])
     metrics_keyed = keyed if state.config.metrics_require_key else []
@@ -46,7 +64,35 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(PagekvError, _any_exception)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(Exception, _any_exception)
+    cors = state.config.cors
+    if cors.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
+        )
+    if state.config.logs.access_log:
+        app.add_middleware(AccessLog)  # outermost of ours: every response has its line
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """While the app runs: the periodic stats line (unless --disable-log-stats)."""
+    state: ServerState = app.state.pagekv
+    logs = state.config.logs
+    task = (
+        asyncio.create_task(log_stats(state.loop, logs.stats_interval_s))
+        if logs.log_stats
+        else None
+    )
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
 
 
 def _error_response(request: Request, exc: BaseException) -> JSONResponse:

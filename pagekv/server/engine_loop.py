@@ -53,11 +53,23 @@ class EngineRequest:
 
 
 @dataclass
+class TokenCounts:
+    """Tokens the engine has worked through since the start (the stats line's throughputs):
+    prompt tokens computed (those found in the prefix cache not counted) and tokens generated.
+    The engine thread adds; others read."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@dataclass
 class _Tracked:
     stream: OutputStream
     loop: asyncio.AbstractEventLoop
     arrival_s: float
     first_token_s: float | None = None
+    num_generated: int = 0  # tokens of all its branches counted into TokenCounts so far
+    prompt_counted: bool = False
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
@@ -130,6 +142,7 @@ class EngineLoop:
         self.dead = False
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        self.tokens = TokenCounts()
         self._thread = threading.Thread(target=self._run, name="pagekv-engine", daemon=True)
 
     # ---- event loop side ------------------------------------------------------------------------
@@ -244,10 +257,20 @@ class EngineLoop:
         if tracked.first_token_s is None and any(o.token_ids for o in output.outputs):
             tracked.first_token_s = now
             self.metrics.first_token(now - tracked.arrival_s)
+        self._count_tokens(tracked, output)
         _post(tracked.loop, tracked.stream.put, output)
         if output.finished:
             del self._tracked[output.request_id]
             self.metrics.finished(output, tracked.arrival_s, tracked.first_token_s or now, now)
+
+    def _count_tokens(self, tracked: _Tracked, output: RequestOutput) -> None:
+        if not tracked.prompt_counted:
+            tracked.prompt_counted = True
+            computed = len(output.prompt_token_ids) - output.num_cached_tokens
+            self.tokens.prompt_tokens += max(computed, 0)
+        generated = sum(len(o.token_ids) for o in output.outputs)
+        self.tokens.generation_tokens += max(generated - tracked.num_generated, 0)
+        tracked.num_generated = max(generated, tracked.num_generated)
 
     def _fail_all(self, error: BaseException) -> None:
         for tracked in self._tracked.values():

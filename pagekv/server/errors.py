@@ -27,6 +27,16 @@ class ModelNotFoundError(InvalidRequestError):
     code = "model_not_found"
 
 
+class ModelCardNotFoundError(PagekvError):
+    """``GET /v1/models/{id}`` names a model this server does not serve (404)."""
+
+    code = "model_not_found"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class QueueFullError(PagekvError):
     """The engine's waiting queue is at ``max_waiting_requests``."""
 
@@ -69,6 +79,7 @@ ERROR_STATUS: tuple[tuple[type[BaseException], int, str], ...] = (
     (UnsupportedMediaTypeError, 415, "invalid_request_error"),
     (QueueFullError, 429, "rate_limit_error"),
     (RouteNotFoundError, 404, "not_found_error"),
+    (ModelCardNotFoundError, 404, "invalid_request_error"),
     (MethodNotAllowedError, 405, "invalid_request_error"),
     (InvalidRequestError, 400, "invalid_request_error"),
     (EngineDeadError, 503, "service_unavailable"),

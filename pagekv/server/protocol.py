@@ -6,16 +6,17 @@ the parser recurses into it), parsed as JSON, checked for strings that are not v
 validated by a pydantic model in strict mode (no "5" for 5, no true for 1, no NaN or infinity)
 and turned into ``SamplingParams``, whose own checks name the bad parameter. Every failure is
 an ``InvalidRequestError`` carrying ``param``: HTTP 400. Unknown fields are ignored, as
-OpenAI-compatible servers do; known but unsupported features (``echo``, ``suffix``,
-``logit_bias``, ``best_of != n``) are rejected rather than silently ignored. Constraints on the
-output are read by ``structured.py``, tools by ``tools.py``.
+OpenAI-compatible servers do; every known field is honoured, or refused where it cannot be
+(``suffix``, ``best_of != n``, ``echo`` and ``logit_bias``) rather than silently ignored.
+Constraints on the output are read by ``structured.py``, tools by ``tools.py``; unset sampling
+fields take the server's defaults (``--generation-config``), then the API's.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -34,15 +35,17 @@ _NOT_OPENING = bytes(b for b in range(256) if b not in b"[{")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A request body (or a part of one): strict types, unknown fields ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     """Fields shared by completions and chat, including vLLM's extra body parameters."""
 
     model: str | None = None
@@ -66,6 +69,7 @@ class _Sampling(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-...
     # vLLM's constraints on the output (structured.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -85,25 +89,27 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # the model's BOS (if it has one) before a text prompt
+    response_format: dict[str, Any] | None = None
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str
 
 
-class AssistantToolCall(_Body):
+class AssistantToolCall(Body):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -111,23 +117,23 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Body):
+class FunctionName(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: FunctionName
 
@@ -142,6 +148,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: how the conversation becomes the prompt (chat_prompt.py)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the template writes
 
 
 _MODELS: tuple[type[BaseModel], ...] = (
@@ -292,14 +302,38 @@ def _check_api_ranges(req: _Sampling) -> None:
         )
 
 
+SAMPLING_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+S = TypeVar("S", bound="_Sampling")
+
+
+def with_defaults(req: S, defaults: tuple[tuple[str, float], ...]) -> S:
+    """``req`` with each sampling field it leaves unset taken from ``defaults`` (the server's,
+    from ``--generation-config``); a field the request sets is kept."""
+    update = {
+        name: value
+        for name, value in defaults
+        if name in SAMPLING_DEFAULTS and getattr(req, name) is None
+    }
+    return req.model_copy(update=update) if update else req
+
+
 def sampling_params(
     req: _Sampling,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     max_n: int,
     constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
-    """The engine's ``SamplingParams`` for a validated request body."""
+    """The engine's ``SamplingParams`` for a validated request body (``max_tokens`` None:
+    up to the end of the context)."""
     _reject_unsupported(req)
     _check_api_ranges(req)
     if req.n > max_n:
@@ -314,7 +348,7 @@ def sampling_params(
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         seed=req.seed,
-        max_tokens=max_tokens,
+        max_tokens=cast(int, max_tokens),  # None: SamplingParams fills the context
         min_tokens=req.min_tokens,
         stop=(req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -342,13 +376,13 @@ def completion_prompts(req: CompletionRequest, max_choices: int) -> list[PromptI
     return items
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them (text parts joined; developer -> system; an
     assistant's tool calls with their arguments as objects, as templates expect)."""
-    if not req.messages:
+    if not messages:
         raise InvalidRequestError("messages: must not be empty", "messages")
     out: list[dict[str, Any]] = []
-    for m in req.messages:
+    for m in messages:
         content = m.content if isinstance(m.content, str) else ""
         if isinstance(m.content, list):
             content = "".join(part.text for part in m.content)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,9 @@ from pagekv.server.errors import ModelNotFoundError
 from pagekv.server.formats import TokenNamer
 from pagekv.server.metrics import Metrics
 from pagekv.server.settings import ServerConfig
+
+# A chat template: (messages, add_generation_prompt, tools) -> the prompt's text.
+RenderChat = Callable[[list[dict[str, Any]], bool, list[dict[str, Any]] | None], str]
 
 
 @dataclass
@@ -32,7 +36,9 @@ class ServerState:
     config: ServerConfig
     metrics: Metrics
     model_name: str
+    model_names: tuple[str, ...]
     tokenizer: Any
+    render_chat: RenderChat
     context_tokens: int
     namer: TokenNamer
     clients: ClientLedger
@@ -40,23 +46,36 @@ class ServerState:
 
     @classmethod
     def create(
-        cls, engine: LLMEngine, config: ServerConfig, loop: EngineLoop, metrics: Metrics
+        cls,
+        engine: LLMEngine,
+        config: ServerConfig,
+        loop: EngineLoop,
+        metrics: Metrics,
+        render_chat: RenderChat | None = None,
     ) -> ServerState:
         """Read the engine's facts; call before ``loop.start()`` (then only the thread may)."""
         stats = engine.stats()
         pool_tokens = int(stats["kv_blocks_total"]) * engine.config.block_size
         tokenizer = engine.tokenizer
+        names = config.served_model_names or (model_name_of(engine.loaded.path),)
         return cls(
             loop=loop,
             config=config,
             metrics=metrics,
-            model_name=config.served_model_name or model_name_of(engine.loaded.path),
+            model_name=names[0],
+            model_names=names,
             tokenizer=tokenizer,
+            render_chat=render_chat or tokenizer.apply_chat_template,
             context_tokens=min(engine.max_model_len, pool_tokens),
             namer=TokenNamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)),
             clients=ClientLedger(config.client_limits),
             hash_secret=os.urandom(16),
         )
+
+    @property
+    def defaults(self) -> dict[str, float]:
+        """What unset sampling fields take (``--generation-config``), by field name."""
+        return dict(self.config.sampling_defaults)
 
     def shown_hash(self, block_hash: str) -> str:
         """A prefix block's hash (hex) as this server shows it: keyed by its secret, so equal
@@ -65,10 +84,11 @@ class ServerState:
         return mac.hexdigest()[:32]
 
     def check_model(self, model: str | None) -> None:
-        """A request may omit the model or name this one; anything else is a 400."""
-        if model is not None and model != self.model_name:
+        """A request may omit the model or give one of its names; anything else is a 400."""
+        if model is not None and model not in self.model_names:
+            names = ", ".join(repr(name) for name in self.model_names)
             raise ModelNotFoundError(
-                f"model {model!r} does not exist; this server serves {self.model_name!r}", "model"
+                f"model {model!r} does not exist; this server serves {names}", "model"
             )
 
 
