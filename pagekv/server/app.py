@@ -34,6 +34,7 @@ from pagekv.server.errors import (
 from pagekv.server.handling import require_api_key, state_of
 from pagekv.server.kv_page import render_kv_page
 from pagekv.server.openai_api import router
+from pagekv.server.responses_api import responses_router
 from pagekv.server.state import ServerState
 from pagekv.server.stats_log import log_stats
 from pagekv.server.utility_api import utility_router
@@ -52,6 +53,7 @@ def build_app(state: ServerState) -> FastAPI:
     )
     app.state.pagekv = state
     app.include_router(router)
+    app.include_router(responses_router)
     app.include_router(utility_router)
     keyed = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"])

@@ -330,3 +330,80 @@ def start_tls_server(log_dir: Path, cert: Path, key: Path) -> ServerProcess:
             time.sleep(0.25)
     server.stop()
     raise RuntimeError(f"the TLS server did not start:\n{server.log_tail()}")
+
+
+def test_responses_answer_as_chat_does(client: openai.OpenAI) -> None:
+    kwargs: Any = {"model": "alpha", "temperature": 0}
+    res = client.responses.create(
+        input="Name a fruit.", instructions="Be brief.", max_output_tokens=6, **kwargs
+    )
+    chat = client.chat.completions.create(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a fruit."},
+        ],
+        max_tokens=6,
+        **kwargs,
+    )
+    assert res.output_text == chat.choices[0].message.content
+    assert res.usage is not None and chat.usage is not None
+    assert res.usage.input_tokens == chat.usage.prompt_tokens
+    assert res.usage.output_tokens == chat.usage.completion_tokens == 6
+    assert res.status == "incomplete" and res.incomplete_details is not None
+    assert res.incomplete_details.reason == "max_output_tokens"
+    assert res.model == "alpha" and res.id.startswith("resp_")
+    parts = client.responses.create(
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Name a fruit."}]}],
+        instructions="Be brief.",
+        max_output_tokens=6,
+        **kwargs,
+    )
+    assert parts.output_text == res.output_text
+
+
+def test_responses_stream_openais_events(client: openai.OpenAI) -> None:
+    events = list(
+        client.responses.create(
+            model="alpha", input="Count to five.", max_output_tokens=10, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    done = events[-1].response  # type: ignore[union-attr]
+    assert deltas == done.output_text and len(deltas) > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
+        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "Hi", "store": True}, "store"),
+        ({"input": "Hi", "text": {"format": {"type": "bogus"}}}, "text.format"),
+    ],
+)
+def test_responses_refuse_what_is_not_text(
+    server: ServerProcess, body: dict[str, Any], param: str
+) -> None:
+    res = server.post("/v1/responses", {"model": "alpha", **body})
+    assert res.status_code == 400, res.text
+    assert res.json()["error"]["param"] == param
