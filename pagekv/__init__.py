@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagekv.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.errors import InvalidRequestError, PagekvError
+from pagekv.inputs import PromptType, TextPrompt, TokensPrompt
 from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -29,9 +30,12 @@ __all__ = [
     "InvalidRequestError",
     "LLMEngine",
     "PagekvError",
+    "PromptType",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 
 

@@ -8,10 +8,8 @@ tensors; the engine wires them together and is the only thing the server and LLM
 from __future__ import annotations
 
 import logging
-import os
-import random
 import weakref
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -39,62 +37,22 @@ from pagekv.engine.config import (
     uses_lower_tiers,
 )
 from pagekv.engine.device import gpu_kv_bytes, resolve_device
+from pagekv.engine.model_setup import int8_activations, load_configured_model
 from pagekv.engine.outputs import FINISH_ERROR, RequestOutput
-from pagekv.engine.prompts import (
-    PromptInput,
-    check_logprobs_limit,
-    check_token_ids,
-    tokenize_prompt,
-)
+from pagekv.engine.prompts import PromptInput, check_token_ids, tokenize_prompt
 from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
+from pagekv.engine.request_params import ParamsPolicy
 from pagekv.engine.sanitizer import KVSanitizer
 from pagekv.engine.structured_output import StructuredOutputs
 from pagekv.engine.tier_setup import build_tiers, open_configured_store
 from pagekv.errors import InvalidRequestError, PromptTooLongError
-from pagekv.models.loader import LoadedModel, load_model, model_path
+from pagekv.models.loader import LoadedModel
 from pagekv.runner.kv_cache import KVCache
-from pagekv.runner.model_runner import ModelRunner, SampledToken, quantized_kernels_available
+from pagekv.runner.model_runner import ModelRunner, SampledToken
 from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 from pagekv.tiering.manager import TierManager
 
 logger = logging.getLogger("pagekv")
-
-
-def _load(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """The configured model, its GGUF blocks kept quantized as ``config.quantization`` says
-    (on a GPU: dequantized to dtype)."""
-    fast = device.type == "cpu" and quantized_kernels_available()
-    path = model_path(config.model)  # a Hugging Face id: its file or directory in the HF cache
-    directory = os.path.isdir(path)
-    if config.quantization == "gguf":
-        if directory:
-            raise InvalidRequestError(
-                f"quantization 'gguf' needs a GGUF file; {path} is a directory",
-                "quantization",
-            )
-        if not fast:
-            raise InvalidRequestError(
-                "quantization 'gguf' needs the C kernels (CPU only), which are off or "
-                "unavailable here (see the kernel build warning, PAGEKV_CPU_ISA and "
-                "PAGEKV_FUSED_OPS); use quantization 'none'",
-                "quantization",
-            )
-    keep = config.quantization == "gguf" or (config.quantization == "auto" and fast)
-    if config.gguf_activations == "int8" and (directory or not keep):
-        raise InvalidRequestError(
-            "gguf_activations 'int8' needs a GGUF file's blocks kept quantized (quantization "
-            "'gguf', or 'auto' where the C kernels run)",
-            "gguf_activations",
-        )
-    return load_model(path, dtype, keep_quantized=keep, tokenizer=config.tokenizer)
-
-
-def int8_activations(config: EngineConfig, loaded: LoadedModel, device: torch.device) -> bool:
-    """Whether the model's GGUF blocks multiply activations rounded to int8: as
-    ``config.gguf_activations`` says; "auto": wherever blocks are kept quantized (on the CPU)."""
-    if config.gguf_activations != "auto":
-        return config.gguf_activations == "int8"
-    return device.type == "cpu" and any(True for _ in loaded.model.quantized_weights())
 
 
 def _num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
@@ -141,7 +99,7 @@ class LLMEngine:
         self.config = config
         dtype = torch.float32 if config.dtype == "float32" else torch.bfloat16
         device = resolve_device(config.device)
-        self.loaded = loaded if loaded is not None else _load(config, dtype, device)
+        self.loaded = loaded if loaded is not None else load_configured_model(config, dtype, device)
         self.tokenizer = self.loaded.tokenizer
         mcfg = self.loaded.config
         self.max_model_len = max_model_len(config, mcfg)
@@ -181,7 +139,7 @@ class LLMEngine:
         sched_cfg = _scheduler_config(config, self.max_model_len, load_cost)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self._groups: dict[str, RequestGroup] = {}
-        self._seeds = None if config.seed is None else random.Random(config.seed)
+        self.params_policy = ParamsPolicy(config.seed, config.max_logprobs)
         self.structured = StructuredOutputs(self.tokenizer, mcfg.vocab_size)
         # Each finished request's lengths and prefix-block hashes (no text), for ``pagekv sim``.
         self.trace = TraceRecorder(config.trace) if config.trace else None
@@ -226,8 +184,7 @@ class LLMEngine:
         self._check_new_id(request_id)
         vocab_size = self.loaded.config.vocab_size
         text, ids = tokenize_prompt(self.tokenizer, vocab_size, prompt)
-        params = self._seeded(params.fit_to_context(self._room_tokens(len(ids))))
-        check_logprobs_limit(params, self.config.max_logprobs)
+        params = self.params_policy.apply(params.fit_to_context(self._room_tokens(len(ids))))
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
         self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
@@ -243,13 +200,6 @@ class LLMEngine:
         parent, *children = [b.request for b in group.branches]
         for request in self.scheduler.add_group(parent, children):
             self._prefetch(request)
-
-    def _seeded(self, params: SamplingParams) -> SamplingParams:
-        """An unseeded sampled request gets the next seed of the engine's ``seed`` (if set):
-        runs with the same seed and the same requests in the same order draw the same."""
-        if self._seeds is None or params.seed is not None or params.temperature == 0:
-            return params
-        return replace(params, seed=self._seeds.getrandbits(63))
 
     def _room_tokens(self, num_prompt_tokens: int) -> int:
         """What max_tokens=None generates up to: the context's room after the prompt, or the

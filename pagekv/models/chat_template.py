@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -79,6 +79,21 @@ def validate_messages(messages: object) -> list[dict[str, str]]:
     return messages
 
 
+def read_chat_template(value: str) -> str:
+    """vLLM's ``chat_template`` argument: a file's path (its text is read) or the template's
+    own text (anything holding a brace or a newline)."""
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the text
+        if any(c in value for c in "{}\n"):
+            return value
+        raise InvalidRequestError(
+            f"chat_template: {value!r} looks like a path but cannot be read ({exc})",
+            "chat_template",
+        ) from None
+
+
 class ChatTemplate:
     """One compiled chat template plus the special-token strings it may refer to."""
 
@@ -91,6 +106,8 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(source)
+            # the names the template reads: chat_template_kwargs it does not read are dropped
+            self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
         except jinja2.TemplateError as exc:
             raise ModelLoadError(f"chat template does not compile: {exc}") from exc
         self.source = source
@@ -106,20 +123,33 @@ class ChatTemplate:
         messages: object,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a validated conversation; template errors become
         InvalidRequestError (templates raise them for e.g. roles that do not alternate).
 
         ``tools`` (OpenAI's tool definitions) go to a template that reads them; for one that
-        does not, they are described in a system message (``tools_system_text``)."""
+        does not, they are described in a system message (``tools_system_text``).
+        ``continue_final_message``: the text ends with the last message's content, left open
+        for the model to continue (as transformers does; not with ``add_generation_prompt``).
+        ``template_kwargs``: more variables for the template (vLLM's chat_template_kwargs,
+        e.g. ``enable_thinking``); those the template does not read are dropped, as vLLM does."""
         checked = validate_messages(messages)
-        extra: dict[str, Any] = {}
+        extra = self._template_kwargs(template_kwargs)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError(
+                "continue_final_message continues the last message; it cannot be combined "
+                "with add_generation_prompt, which starts a new one",
+                "continue_final_message",
+            )
         if tools and self.takes_tools:
             extra["tools"] = tools
         elif tools:
             checked = with_tools_message(checked, tools)
         try:
-            return self._template.render(
+            text = self._template.render(
                 messages=checked,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
@@ -127,6 +157,34 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from exc
+        return _open_final_message(text, checked[-1]["content"]) if continue_final_message else text
+
+    def _template_kwargs(self, given: Mapping[str, Any] | None) -> dict[str, Any]:
+        reserved = {"messages", "add_generation_prompt", "tools", "chat_template", "tokenize"}
+        for name in given or {}:
+            if not isinstance(name, str) or name in reserved:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs: {name!r} is set by the call itself, not here",
+                    "chat_template_kwargs",
+                )
+        return {k: v for k, v in (given or {}).items() if k in self.variables}
+
+
+def _open_final_message(text: str, final: str) -> str:
+    """``text`` cut right after the final message's content, so the model continues it.
+    Templates that strip the content are matched by the stripped content."""
+    stripped = final.strip()
+    where = text.rfind(stripped) if stripped else -1
+    if where < 0:
+        raise InvalidRequestError(
+            "continue_final_message: the chat template does not write the final message's "
+            "content as given, so there is no end to continue from",
+            "continue_final_message",
+        )
+    kept = final.lstrip()
+    if text[where : where + len(kept)] == kept:  # the template keeps trailing spaces
+        return text[: where + len(kept)]
+    return text[: where + len(stripped)]
 
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"

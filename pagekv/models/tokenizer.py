@@ -43,7 +43,13 @@ class Tokenizer:
         special = {"eos_token": self.id_to_token(eos_token_ids[0])} if eos_token_ids else {}
         if bos_token_id is not None:
             special["bos_token"] = self.id_to_token(bos_token_id)
+        self.special_tokens: Mapping[str, str] = special  # what a chat template may refer to
         self._template = None if chat_template is None else ChatTemplate(chat_template, special)
+
+    @property
+    def backend(self) -> BackendTokenizer:
+        """The ``tokenizers`` object (vocabulary queries; ``HFTokenizer`` reads it)."""
+        return self._backend
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; BOS only if the model's metadata asks for it (and
@@ -65,16 +71,32 @@ class Tokenizer:
             raise InvalidRequestError(f"token id {token_id} is outside the vocabulary")
         return token
 
+    def compile_chat_template(self, source: str) -> ChatTemplate:
+        """Another chat template than the model's, with this model's special tokens."""
+        return ChatTemplate(source, self.special_tokens)
+
     def apply_chat_template(
         self,
         messages: list[dict[str, str]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        template: ChatTemplate | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text for a conversation (InvalidRequestError on bad messages)."""
-        if self._template is None:
+        """The prompt text for a conversation (InvalidRequestError on bad messages), with the
+        model's template or ``template``; the options are ``ChatTemplate.render``'s."""
+        template = template or self._template
+        if template is None:
             raise InvalidRequestError("this model has no chat template", param="messages")
-        return self._template.render(messages, add_generation_prompt, tools)
+        return template.render(
+            messages,
+            add_generation_prompt,
+            tools,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
 
 
 def tokenizer_from_gguf(metadata: Mapping[str, object], path: str) -> Tokenizer:

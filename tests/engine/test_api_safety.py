@@ -137,7 +137,7 @@ BAD_CALLS: list[tuple[str, Callable[[LLM], object], str]] = [
     ("too many params", lambda llm: _gen(llm, "a", [GREEDY, GREEDY]), "sampling_params"),
     ("params of strings", lambda llm: _gen(llm, ["a"], ["greedy"]), "sampling_params"),
     ("params a string", lambda llm: _gen(llm, ["a"], "greedy"), "sampling_params"),
-    ("prompts of ints", lambda llm: _gen(llm, [1, 2, 3]), "prompt"),
+    ("prompts of floats", lambda llm: _gen(llm, [1.5, 2.5]), "prompt"),  # [1, 2, 3]: one prompt
     ("prompt an int", lambda llm: _gen(llm, 7), "prompt"),
     ("prompt None", lambda llm: _gen(llm, None), "prompt"),
     ("prompts with None", lambda llm: _gen(llm, ["a", None]), "prompt"),
