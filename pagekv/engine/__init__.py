@@ -10,7 +10,12 @@
     block_map.py      the device block map as JSON data (what /debug/kv draws)
     tier_setup.py     the host pool and storage tier, wired from the config
     device.py         where the model runs: CPU or a CUDA GPU
-    config.py         EngineConfig; args.py maps command-line flags onto it
+    config.py         EngineConfig; args.py maps command-line flags onto it; vllm_forms.py reads
+                      vLLM's spellings of its values ("4k", dtype "half", swap space in GiB)
+    llm_args.py       LLM(...)'s keyword arguments as vLLM takes them, onto an EngineConfig
+    model_setup.py    which weights the engine loads (path, HF id, quantization, int8 activations)
+    request_params.py what the config imposes on each request's params (seed, max_logprobs)
+    prompts.py        prompts as token ids, checked; vLLM's prompt forms (pagekv.inputs)
 
 ``LLMEngine`` pulls in torch, so it is loaded on first use: importing the plain types
 (config, outputs, beam-search parameters) stays light.

@@ -4,10 +4,12 @@ Layout (arrows point down; nothing here imports runner/, core/ or server/):
 
     loader        load_model(path) -> LoadedModel(config, model, tokenizer, path, fingerprint);
                   read_config(path) -> ModelConfig, weights unread
+      hub           a Hugging Face id -> its file or directory in the local HF cache, offline
       gguf_loader   GGUF metadata -> ModelConfig; llama.cpp tensor names -> HF names
         gguf_file     GGUF byte layout: metadata, tensor directory, dequantize
       hf_loader     config.json -> ModelConfig; safetensors shards
-      tokenizer     Tokenizer (encode/decode/chat template); gguf_tokenizer builds GGUF ones
+      tokenizer     Tokenizer (encode/decode/chat template); gguf_tokenizer builds GGUF ones;
+                    hf_tokenizer gives it transformers' face (what LLM.get_tokenizer() returns)
         chat_template sandboxed Jinja rendering + message validation
       llama_family  the LLAMA, QWEN2 and MISTRAL architectures; qwen3, phi3 and gemma each
                     define one more (QWEN3, PHI3; Gemma 2 and Gemma 3)
