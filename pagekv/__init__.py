@@ -13,7 +13,7 @@ terms in pagekv/core/__init__.py.
 from typing import TYPE_CHECKING, Any
 
 from pagekv.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from pagekv.engine.outputs import CompletionOutput, RequestOutput
+from pagekv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagekv.errors import InvalidRequestError, PagekvError
 from pagekv.inputs import PromptType, TextPrompt, TokensPrompt
 from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
@@ -29,6 +29,7 @@ __all__ = [
     "CompletionOutput",
     "InvalidRequestError",
     "LLMEngine",
+    "Logprob",
     "PagekvError",
     "PromptType",
     "RequestOutput",

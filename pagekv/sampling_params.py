@@ -3,8 +3,9 @@
 Named and defaulted as vLLM users expect, with vLLM's accepted ranges. Validation happens in
 ``__post_init__`` so an invalid object never exists: every error, a wrong type included, is an
 ``InvalidRequestError`` naming the parameter, raised before the engine allocates anything. Every
-number must be finite (no NaN, no infinity); token ids (``stop_token_ids``) are checked against
-the vocabulary by the engine, which knows its size.
+number must be finite (no NaN, no infinity); token ids (``stop_token_ids``, ``logit_bias``'s keys,
+``allowed_token_ids``) are checked against the vocabulary by the engine, which knows its size, and
+``bad_words`` are tokenized there.
 
 The sampler works in float32, where some accepted values do not exist: ``top_p`` 1e-300 rounds
 to 0 and ``repetition_penalty`` 1e-300 to 0 (a division by zero). Those two are clamped here to
@@ -33,6 +34,11 @@ MAX_N = 1024  # n and best_of: sequences one request generates
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1000
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 2**16  # entries of logit_bias
+MAX_ALLOWED_TOKEN_IDS = 2**18  # the largest vocabularies in use (Gemma's 262k)
+MAX_BAD_WORDS = 64  # each is up to two token sequences: vLLM's cap of 128 sequences
+MAX_BAD_WORD_CHARS = 1000
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's documented range; a value outside is clamped
 # float32's smallest normal number. Any top_p up to the top token's probability (>= 1 / vocab)
 # keeps that token alone, so a smaller one is raised to this, which float32 holds.
 MIN_TOP_P = 2.0**-126
@@ -101,6 +107,30 @@ def _is_finite(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """A fresh ``{token id: bias}``, each bias clamped to ``LOGIT_BIAS_RANGE``. Keys may be
+    integers or their decimal text (JSON objects have text keys, as OpenAI's API sends them)."""
+    param = "logit_bias"
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"{param}: must be a mapping, got {type(value).__name__}", param)
+    _check(len(value) <= MAX_LOGIT_BIAS, param, f"at most {MAX_LOGIT_BIAS} entries")
+    low, high = LOGIT_BIAS_RANGE
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = _token_key(key)
+        _check(token is not None, param, f"keys must be token ids, got {key!r:.80}")
+        _check(_is_finite(bias), param, f"values must be finite numbers, got {bias!r:.80}")
+        out[int(token)] = min(max(float(bias), low), high)  # type: ignore[arg-type]
+    return out
+
+
+def _token_key(key: object) -> int | None:
+    """A token id given as an integer or as its decimal text; None if it is neither."""
+    if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():
+        return int(key)
+    return int(key) if _is_token_id(key) else None  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -175,6 +205,20 @@ class SamplingParams:
     loses ``frequency_penalty`` times its count in the output, and ``presence_penalty`` once if
     it occurs there at all. ``structured_outputs`` constrains the text to a JSON schema, a
     regular expression, a choice or a grammar: tokens that would leave it are never drawn.
+
+    Token-level controls, applied to the raw logits before the penalties and the filters, and
+    to greedy rows too: ``logit_bias`` adds its value (clamped to [-100, 100], OpenAI's range)
+    to each listed token's logit; ``allowed_token_ids`` leaves only those tokens drawable;
+    ``bad_words`` (vLLM's meaning) are never completed: the engine tokenizes each word with
+    and without a leading space, and a word's last token is barred wherever the output so far
+    ends with the rest of it (a one-token word is barred outright). Like vLLM's default
+    (``logprobs_mode="raw_logprobs"``), ``logprobs`` report the distribution before these,
+    as before the penalties.
+    ``prompt_logprobs=k`` returns, for every prompt token after the first, its log-probability
+    given the tokens before it and the top ``k`` alternatives (``RequestOutput.prompt_logprobs``);
+    such a request does not read the prefix cache, whose hits would skip those positions.
+    ``max_tokens=0`` is allowed only with ``prompt_logprobs``: the prompt is prefilled and
+    scored, nothing is generated (finish reason "length").
     """
 
     n: int = 1
@@ -196,6 +240,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     # True when max_tokens=None was given; dataclasses.replace resets it unless it passes
     # max_tokens=None again.
     until_context: bool = field(default=False, init=False)
@@ -207,6 +255,15 @@ class SamplingParams:
         set_field(self, "stop", _bounded_tuple(stop, "stop", MAX_STOP_STRINGS))
         ids = _bounded_tuple(self.stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS)
         set_field(self, "stop_token_ids", ids)
+        bad_words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        set_field(self, "bad_words", _bounded_tuple(bad_words, "bad_words", MAX_BAD_WORDS))
+        if self.allowed_token_ids is not None:
+            allowed = _bounded_tuple(
+                self.allowed_token_ids, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS
+            )
+            set_field(self, "allowed_token_ids", allowed)
+        if self.logit_bias is not None:
+            set_field(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.max_tokens is None:
             set_field(self, "until_context", True)
             set_field(self, "max_tokens", UNTIL_CONTEXT_MAX_TOKENS)
@@ -218,6 +275,9 @@ class SamplingParams:
         low, high = REPETITION_PENALTY_RANGE
         set_field(self, "repetition_penalty", min(max(self.repetition_penalty, low), high))
         set_field(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            set_field(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        set_field(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))  # unique, in order
 
     def fit_to_context(self, room_tokens: int) -> SamplingParams:
         """These params for a prompt that leaves ``room_tokens`` of context: with
@@ -233,6 +293,7 @@ class SamplingParams:
         self._validate_stopping()
         self._validate_logprobs()
         self._validate_penalties()
+        self._validate_token_controls()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
@@ -290,9 +351,14 @@ class SamplingParams:
     def _validate_stopping(self) -> None:
         """When a sequence ends: token counts, stop strings and stop tokens."""
         _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            _is_int(self.max_tokens) and self.max_tokens >= 0,
             "max_tokens",
-            f"must be None or an integer >= 1, got {self.max_tokens!r}",
+            f"must be None or an integer >= 1 (0 with prompt_logprobs), got {self.max_tokens!r}",
+        )
+        _check(
+            self.max_tokens > 0 or self.prompt_logprobs is not None,
+            "max_tokens",
+            "0 generates nothing, so it is allowed only with prompt_logprobs (to score the prompt)",
         )
         _check(
             _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
@@ -312,12 +378,29 @@ class SamplingParams:
         )
 
     def _validate_logprobs(self) -> None:
-        if self.logprobs is not None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
             _check(
-                _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
-                "logprobs",
-                f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}",
             )
+
+    def _validate_token_controls(self) -> None:
+        """``allowed_token_ids`` and ``bad_words`` (``logit_bias`` is checked as it is read)."""
+        if self.allowed_token_ids is not None:
+            _check(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
+            _check(
+                all(_is_token_id(t) for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be non-negative integers",
+            )
+        _check(
+            all(_is_text(w) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in self.bad_words),
+            "bad_words",
+            f"must be strings of valid Unicode with a non-space character, at most "
+            f"{MAX_BAD_WORD_CHARS} characters each",
+        )
 
     def _validate_penalties(self) -> None:
         """Presence and frequency penalties in [-2, 2]; a positive repetition penalty."""

@@ -28,7 +28,7 @@ def next_block_in(
     kv: KVCacheManager, request: Request, num_cached: int, computing: set[BlockHash]
 ) -> bool:
     """Whether the request's next uncached prefix block is one this step computes."""
-    if not computing:
+    if not computing or not request.reads_prefix_cache:
         return False
     chain = kv.prefix_chain(request)
     index = num_cached // kv.block_size

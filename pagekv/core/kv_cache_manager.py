@@ -166,7 +166,7 @@ class KVCacheManager:
     def _find_hits(self, request: Request) -> list[Hit]:
         # Hits cover whole blocks before the last target token: that token is always computed
         # (so the request samples from fresh logits and never writes into a block it found).
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not request.reads_prefix_cache:
             return []
         return self._tiers.find_hits(self.prefix_chain(request))
 
@@ -219,7 +219,7 @@ class KVCacheManager:
         blocks.extend(fresh)
         self.tables.add(request, blocks, num_committed)
         num_hit_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.reads_prefix_cache:
             self.prefix_query_tokens += request.num_tokens
             self.prefix_hit_tokens += num_hit_tokens
         self._tiers.on_prefix_hit(hits, request.block_hashes)

@@ -57,6 +57,7 @@ class Request:
         arrival_time: float | None = None,
         eos_token_ids: Sequence[int] = (),
         client: str | None = None,
+        bad_words_token_ids: Sequence[Sequence[int]] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -71,6 +72,8 @@ class Request:
         self.num_cached_prompt_tokens = 0  # prefix-cache hit at first admission (usage reports)
         self.num_preemptions = 0
         self.eos_token_ids = tuple(eos_token_ids)  # the tokenizer's, given by the engine
+        # params.bad_words as token sequences, tokenized by the engine (the sampler bars them)
+        self.bad_words_token_ids = tuple(tuple(word) for word in bad_words_token_ids)
         # Branches to fork off once the prompt, all but its last token, is computed: they share
         # every prompt block, and each computes the last token itself (copy-on-write).
         self.fork_children: list[Request] = []
@@ -83,6 +86,12 @@ class Request:
         # Where each n-gram of its tokens last occurred, for drafting (speculation.py); built
         # on the first draft, None for requests never drafted for.
         self.ngram_index: NgramIndex | None = None
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False for a request that asks for prompt logprobs: a prefix hit would skip the
+        positions whose logits it needs (vLLM v1 skips the cache for them too)."""
+        return self.params.prompt_logprobs is None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,14 +8,15 @@ tensors; the engine wires them together and is the only thing the server and LLM
 from __future__ import annotations
 
 import logging
+import time
 import weakref
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from pagekv.core import invariants
 from pagekv.core.kv_cache_manager import KVCacheManager
+from pagekv.core.plan import Plan
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler import (
     PreemptionCostModel,
@@ -36,11 +37,19 @@ from pagekv.engine.config import (
     parse_bytes,
     uses_lower_tiers,
 )
+from pagekv.engine.detokenizer import TokenTexts
 from pagekv.engine.device import gpu_kv_bytes, resolve_device
+from pagekv.engine.engine_stats import engine_stats
 from pagekv.engine.model_setup import int8_activations, load_configured_model
 from pagekv.engine.outputs import FINISH_ERROR, RequestOutput
 from pagekv.engine.prompts import PromptInput, check_token_ids, tokenize_prompt
-from pagekv.engine.request_group import FINISH_REASON, Branch, RequestGroup
+from pagekv.engine.request_group import (
+    FINISH_REASON,
+    Branch,
+    GroupSetup,
+    RequestGroup,
+    bad_words_token_ids,
+)
 from pagekv.engine.request_params import ParamsPolicy
 from pagekv.engine.sanitizer import KVSanitizer
 from pagekv.engine.structured_output import StructuredOutputs
@@ -101,6 +110,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         self.loaded = loaded if loaded is not None else load_configured_model(config, dtype, device)
         self.tokenizer = self.loaded.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded tokens, memoised
         mcfg = self.loaded.config
         self.max_model_len = max_model_len(config, mcfg)
         block_bytes = KVCache.bytes_per_block(
@@ -186,12 +196,15 @@ class LLMEngine:
         text, ids = tokenize_prompt(self.tokenizer, vocab_size, prompt)
         params = self.params_policy.apply(params.fit_to_context(self._room_tokens(len(ids))))
         check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+        check_token_ids(params.logit_bias or (), vocab_size, "logit_bias")
+        check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+        bad_words = bad_words_token_ids(self.tokenizer, params.bad_words, vocab_size)
         self.scheduler.check_priority(priority)
         self.scheduler.check_fits(len(ids), params.max_tokens)
         grammar = self.structured.compile(params.structured_outputs)
-        group = RequestGroup.create(
-            request_id, (text, ids), params, self.tokenizer, (cache_salt, priority, client)
-        )
+        texts = self.token_texts
+        setup = GroupSetup(self.tokenizer, texts, cache_salt, priority, client, bad_words)
+        group = RequestGroup.create(request_id, (text, ids), params, setup)
         self._groups[request_id] = group
         for branch in group.branches:
             self._branch_of[branch.request.request_id] = (group, branch)
@@ -218,6 +231,8 @@ class LLMEngine:
         """Ask the storage tier for the prefix blocks memory lacks, if waiting for them pays."""
         tiers = self.tiers
         if tiers is None or not tiers.available or not self.config.enable_prefix_caching:
+            return
+        if not request.reads_prefix_cache:
             return
         chain = self.kv.prefix_chain(request)
         start = 0
@@ -289,23 +304,46 @@ class LLMEngine:
             if plan.is_empty and self.scheduler.loading:
                 self.tiers.wait(0.005)  # nothing to run until a prefetch lands: nap, not spin
         masks = self.structured.masks(plan.scheduled) if len(self.structured) else None
-        sampled = self.runner.execute(plan, masks)
+        scoring = self._track_scheduled(plan)
+        sampled = self.runner.execute(plan, masks, scoring)
         if self.sanitizer is not None:
             self.sanitizer.after_execute(plan)
+        for rid, chunk in self.runner.take_prompt_logprobs().items():
+            scores = self._branch_of[rid][0].prompt_scores
+            if scores is not None:
+                scores.add(chunk)
         failed = self._end_non_finite(sampled)
+        failed |= self._end_prompt_only(sampled)
         finished = self.scheduler.update(
             plan,
             {rid: s.token_id for rid, s in sampled.items() if rid not in failed},
             {rid: s.verified for rid, s in sampled.items() if s.verified},
         )
-        done = {r.request_id for r in finished}
+        changed = self._deliver(sampled, failed, {r.request_id for r in finished})
+        for beam_output in self.beams.finish_ready():
+            self._beam_results[beam_output.request_id] = beam_output
+        outputs = [g.to_output() for g in changed.values()]
+        for group in changed.values():
+            if group.finished:
+                self._forget(group)
+        if self.config.check_invariants:
+            invariants.check_manager(self.kv)
+        return outputs
+
+    def _deliver(
+        self, sampled: dict[str, SampledToken], failed: set[str], done: set[str]
+    ) -> dict[str, RequestGroup]:
+        """Hand each sampled token to its beam or branch (detokenize, stop strings, grammar);
+        ``done``: requests the scheduler finished. Returns the groups that changed."""
         changed: dict[str, RequestGroup] = {}
+        now = time.monotonic()
         for rid, token in sampled.items():
             if self.beams.owns(rid):
                 self.beams.report(rid, token.top_logprobs or [])
                 continue
             group, branch = self._branch_of[rid]
             changed[group.request_id] = group
+            group.on_tokens(now, token.non_finite)
             if rid in failed:
                 continue
             if token.verified:  # a drafted decode: the tokens it kept, one by one
@@ -320,15 +358,34 @@ class LLMEngine:
             unfinished = rid not in done and not branch.output.finished
             if unfinished and self.structured.advance(rid, branch.request.output_token_ids):
                 self._finish(branch, RequestStatus.FINISHED_STOPPED)  # its grammar is complete
-        for beam_output in self.beams.finish_ready():
-            self._beam_results[beam_output.request_id] = beam_output
-        outputs = [g.to_output() for g in changed.values()]
-        for group in changed.values():
-            if group.finished:
-                self._forget(group)
-        if self.config.check_invariants:
-            invariants.check_manager(self.kv)
-        return outputs
+        return changed
+
+    def _track_scheduled(self, plan: Plan) -> dict[str, int]:
+        """Note when each group first runs; the requests whose prompt positions this step
+        feeds must be scored, with how many alternatives each (``ModelRunner.execute``)."""
+        now = time.monotonic()
+        scoring: dict[str, int] = {}
+        for entry in plan.scheduled:
+            found = self._branch_of.get(entry.request.request_id)
+            if found is None:
+                continue  # a beam
+            group = found[0]
+            group.on_scheduled(now)
+            num_top = group.needs_prompt_logprobs()
+            if num_top is not None:
+                scoring[entry.request.request_id] = num_top
+        return scoring
+
+    def _end_prompt_only(self, sampled: dict[str, SampledToken]) -> set[str]:
+        """End each request with max_tokens=0 that reached its first token (its prompt is
+        computed and scored) with finish_reason "length", the token dropped."""
+        ended = set()
+        for rid in sampled:
+            found = self._branch_of.get(rid)
+            if found is not None and found[1].request.params.max_tokens == 0:
+                self._finish(found[1], RequestStatus.FINISHED_LENGTH)
+                ended.add(rid)
+        return ended
 
     def _end_non_finite(self, sampled: dict[str, SampledToken]) -> set[str]:
         """End each request whose logits had no finite maximum with finish_reason "error"
@@ -377,38 +434,8 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters as a plain dict (the numbers the server exports)."""
-        usage = self.kv.usage()
-        return {
-            "kv_blocks_total": usage.num_blocks,
-            "kv_blocks_free": usage.num_free_blocks,
-            "kv_blocks_used": usage.num_used_blocks,
-            "kv_blocks_evictable": usage.num_evictable_blocks,
-            "kv_usage": usage.num_used_blocks / usage.num_blocks,
-            "kv_blocks_logical": usage.num_logical_blocks,
-            "kv_sharing_saving": usage.sharing_saving,
-            "kv_slots_allocated": usage.num_slots_allocated,
-            "kv_tokens_stored": usage.num_tokens_stored,
-            "kv_internal_fragmentation": usage.internal_fragmentation,
-            "prefix_cache_query_tokens": usage.prefix_query_tokens,
-            "prefix_cache_hit_tokens": usage.prefix_hit_tokens,
-            "prefix_cache_evictions": usage.num_evictions,
-            "cow_copies": usage.num_cow_copies,
-            "swapped_out_blocks": usage.num_swapped_out_blocks,
-            "swapped_in_blocks": usage.num_swapped_in_blocks,
-            **asdict(self.scheduler.counters),
-            **asdict(self.kv.tier_state.counters),
-            **(asdict(self.tiers.stats) if self.tiers is not None else {}),
-            "host_hit_bytes": self.kv.tier_state.counters.host_hit_blocks * self._block_bytes,
-            "host_blocks_total": self.kv.num_host_blocks,
-            "host_blocks_cached": (
-                len(self.kv.host_pool.index_items()) if self.kv.host_pool is not None else 0
-            ),
-            "kernels": dict(self.runner.kernels),  # strings: /metrics has them as one info
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_swapped": len(self.scheduler.swapped),
-            "steps": self.scheduler.step,
-        }
+        tier_stats = self.tiers.stats if self.tiers is not None else None
+        return engine_stats(self.kv, self.scheduler, tier_stats, self.runner, self._block_bytes)
 
     def block_map(self) -> dict[str, Any]:
         """Every device block's state, ref count, prefix hash and owners (``block_map.py``)."""

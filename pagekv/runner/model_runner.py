@@ -12,6 +12,16 @@ One step::
                       (the model's attention backend: attention_backends.py)
     sample            logits of the last position of each request that samples   [S, vocab]
                       (a drafted decode: of every position it fed, each checked greedily)
+    score             prompt logprobs: logits of the prompt positions a chunk feeds, for the
+                      requests that ask (``take_prompt_logprobs``)
+
+Prompt logprobs: position p's logits score prompt token p + 1, so a chunk feeding positions
+[start, end) of a P-token prompt scores the rows [start, min(end, P - 1)); the last prompt
+position's logits are the first generated token's, sampled and never scored::
+
+    prompt   t0  t1  t2  t3  t4        P = 5, chunks [0, 3) and [3, 5)
+    chunk 1  p0  p1  p2                scores t1 t2 t3
+    chunk 2              p3  p4        scores t4; p4 samples the first output token
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from pagekv.runner import attention_backends, host_memory
 from pagekv.runner.attention_backends import AttentionBackend, AttentionSetup, CpuKernelBackend
 from pagekv.runner.batch import StepInputs, prepare_step
 from pagekv.runner.kv_cache import KVCache
-from pagekv.runner.sampler import Sampler, SamplerOutput, SamplingRow
+from pagekv.runner.sampler import Sampler, SamplerOutput, SamplingRow, rank_and_top
 
 logger = logging.getLogger("pagekv")
 
@@ -49,6 +59,23 @@ class SampledToken:
     # The logits of a row it sampled had no finite maximum (NaN, +inf, nothing drawable): the
     # token means nothing and the engine ends the request with an error.
     non_finite: bool = False
+    rank: int | None = None  # the chosen token's rank under the raw logits, with logprobs
+
+
+@dataclass(frozen=True)
+class PromptLogprobsChunk:
+    """One step's prompt logprobs of a request: row j scores prompt token
+    ``start_position + j + 1`` given the tokens before it (float32 log-softmax of the model's
+    logits, as the sampler computes a chosen token's)."""
+
+    start_position: int
+    logprobs: list[float]  # the prompt token's
+    ranks: list[int]  # its rank (1: the most likely)
+    top: list[list[tuple[int, float]]]  # the top-k (token id, logprob), largest first
+
+
+# Prompt positions scored per LM-head call: bounds the float32 logits of a long chunk.
+SCORE_BYTES = 64 * 2**20
 
 
 PACK_ENV = "PAGEKV_PACKED_WEIGHTS"  # "0": plain weights on the fast path too (for A/B runs)
@@ -117,6 +144,8 @@ class ModelRunner:
         self.attention = attention  # builds the backend
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self._prompt_logprobs: dict[str, PromptLogprobsChunk] = {}
+        self._vocab_size = cfg.vocab_size
         self.kernels = self._kernels()
         self.system_line = report.line(self.kernels, self.dtype)
 
@@ -197,21 +226,33 @@ class ModelRunner:
         if t.copies:
             self.kv.copy_blocks(t.copies)
 
+    def take_prompt_logprobs(self) -> dict[str, PromptLogprobsChunk]:
+        """The prompt logprobs the last ``execute`` computed, by request id; cleared."""
+        taken, self._prompt_logprobs = self._prompt_logprobs, {}
+        return taken
+
     @torch.inference_mode()
     def execute(
-        self, plan: Plan, token_masks: Mapping[str, np.ndarray] | None = None
+        self,
+        plan: Plan,
+        token_masks: Mapping[str, np.ndarray] | None = None,
+        prompt_logprobs: Mapping[str, int] | None = None,
     ) -> dict[str, SampledToken]:
         """Run one step; returns the sampled token of every request whose step reached its end.
 
         ``token_masks``: per constrained request, int32 [positions, ceil(V / 32)], a bit mask of
-        the tokens it may draw at each position it samples (``SamplingRow.allowed_tokens``)."""
+        the tokens it may draw at each position it samples (``SamplingRow.allowed_tokens``).
+        ``prompt_logprobs``: per request to score, how many alternatives; the prompt positions
+        its chunk feeds are scored (``take_prompt_logprobs``)."""
         self.apply_transfers(plan)
+        self._prompt_logprobs = {}
         if not plan.scheduled:
             return {}
         inputs = prepare_step(plan.scheduled, self.block_size)
         ids, positions = inputs.input_ids.to(self.device), inputs.positions.to(self.device)
         sampling = [i for i, s in enumerate(inputs.order) if s.samples]  # rows of inputs.order
-        if not sampling:
+        scoring = _scored_rows(inputs, prompt_logprobs or {})
+        if not sampling and not scoring:
             self.model(ids, positions, self._attention_fn(inputs))  # the K/V only
             return {}
         entries = [inputs.order[i] for i in sampling]
@@ -225,15 +266,43 @@ class ModelRunner:
                 self._row(entry, j, None if masks is None else masks[j])
                 for j in range(num_drafts + 1)
             )
+        scored = [r for score in scoring for r in score.rows]
         # rows ascend, so as many as the step's tokens are all of them (a plain decode step):
         # no index. Otherwise the model's last layer takes the other rows no further than
         # their K/V.
-        keep = None if len(rows) == ids.shape[0] else torch.tensor(rows, device=self.device)
-        hidden = self.model(ids, positions, self._attention_fn(inputs), keep)
+        every_row = not scored and len(rows) == ids.shape[0]
+        keep = None if every_row else torch.tensor(rows + scored, device=self.device)
+        hidden = self.model(ids, positions, self._attention_fn(inputs), keep)  # [S + R, hidden]
+        if scoring:
+            self._score_prompts(hidden[len(rows) :], scoring)
+        if not rows:
+            return {}
         # [S, vocab] in the model's dtype: the sampler widens to float32 only if it must
-        logits = self.model.compute_logits(hidden, float32=False)
+        logits = self.model.compute_logits(hidden[: len(rows)] if scored else hidden, float32=False)
         out = self.sampler(logits, sampling_rows)
         return self._results(entries, out)
+
+    def _score_prompts(self, hidden: torch.Tensor, scoring: Sequence[_Scoring]) -> None:
+        """Prompt logprobs of the scored rows (hidden [R, hidden], in ``scoring``'s order), a
+        slice of rows per LM-head call (``SCORE_BYTES`` of float32 logits at most)."""
+        vocab_size = self._vocab_size
+        per_call = max(1, SCORE_BYTES // (4 * vocab_size))
+        offset = 0
+        for score in scoring:
+            logprobs: list[float] = []
+            found: list[tuple[int, list[tuple[int, float]]]] = []
+            for lo in range(0, len(score.rows), per_call):
+                part = hidden[offset + lo : offset + min(lo + per_call, len(score.rows))]
+                logits = self.model.compute_logits(part, float32=False).float()  # [r, vocab]
+                log_probs = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(score.targets[lo : lo + per_call], device=self.device)
+                chosen = log_probs.gather(1, targets[:, None])  # [r, 1]
+                logprobs.extend(chosen[:, 0].tolist())
+                found.extend(rank_and_top(log_probs, chosen, score.num_top))
+            offset += len(score.rows)
+            self._prompt_logprobs[score.request_id] = PromptLogprobsChunk(
+                score.start_position, logprobs, [r for r, _ in found], [t for _, t in found]
+            )
 
     @property
     def on_gpu(self) -> bool:
@@ -249,6 +318,7 @@ class ModelRunner:
         """How to sample ``entry``'s next token, or (drafts) the one ``ahead`` positions on."""
         request = entry.request
         penalized = request.params.penalized  # the ids are copied only for penalties
+        matched = penalized or bool(request.bad_words_token_ids)  # and bad words
         return SamplingRow(
             params=request.params,
             generator=self._generator(request.request_id, request.params.seed),
@@ -257,9 +327,10 @@ class ModelRunner:
             prompt_token_ids=request.prompt_token_ids if penalized else (),
             # a drafted position's output so far includes the drafts before it
             output_token_ids=(
-                request.output_token_ids + list(entry.draft_token_ids[:ahead]) if penalized else ()
+                request.output_token_ids + list(entry.draft_token_ids[:ahead]) if matched else ()
             ),
             allowed_tokens=allowed,
+            bad_words_token_ids=request.bad_words_token_ids,
         )
 
     @staticmethod
@@ -276,6 +347,43 @@ class ModelRunner:
                 top_logprobs=out.top_logprobs[row],
                 verified=tuple(out.token_ids[row : row + num_rows]) if num_rows > 1 else (),
                 non_finite=any(out.non_finite[row : row + num_rows]),
+                rank=None if out.ranks is None else out.ranks[row],
             )
             row += num_rows
         return results
+
+
+@dataclass(frozen=True)
+class _Scoring:
+    """One request's prompt rows to score this step."""
+
+    request_id: str
+    start_position: int  # the first scored row's position
+    rows: list[int]  # flat token rows of the step, ascending
+    targets: list[int]  # the prompt token each row scores (the next one)
+    num_top: int
+
+
+def _scored_rows(inputs: StepInputs, num_top: Mapping[str, int]) -> list[_Scoring]:
+    """The prompt rows each asking request feeds this step (the module docstring's picture)."""
+    if not num_top:
+        return []
+    scoring = []
+    for i, entry in enumerate(inputs.order):
+        request = entry.request
+        k = num_top.get(request.request_id)
+        end = min(entry.end_position, request.num_prompt_tokens - 1)
+        if k is None or entry.draft_token_ids or end <= entry.start_position:
+            continue
+        first_row = inputs.last_token[i] - entry.num_tokens + 1  # the entry's first position
+        start = entry.start_position
+        scoring.append(
+            _Scoring(
+                request.request_id,
+                start,
+                list(range(first_row, first_row + end - start)),
+                request.prompt_token_ids[start + 1 : end + 1],
+                k,
+            )
+        )
+    return scoring

@@ -6,15 +6,22 @@ branch, seeded once), and the caller says how many tokens each row has generated
 Order of operations for a non-greedy row (a greedy one takes the argmax after the penalties
 and the suppression)::
 
-    raw logits -> penalties -> min_tokens suppression -> / temperature -> top-k -> top-p
-               -> min-p -> softmax -> inverse CDF: the token whose cumulative interval holds
-                  one uniform draw
+    raw logits -> token controls -> penalties -> min_tokens suppression -> / temperature
+               -> top-k -> top-p -> min-p -> softmax -> inverse CDF: the token whose
+                  cumulative interval holds one uniform draw
+
+"Raw" already has a structured-output grammar's mask (vLLM masks the logits before its sampler
+too); the token controls are vLLM's logits processors that change greedy rows as well:
+``logit_bias`` added (in float32), then every token outside ``allowed_token_ids`` and every
+token that would complete a bad word set to -inf.
 
 Each seeded row draws its one uniform from that row's own generator, so a seeded request
 samples the same tokens alone or inside any batch. (vLLM's exponential race, argmax of probs
 over Exp(1) noise, needs a draw per vocabulary entry, which costs far more than a float64
 cumulative sum and a search.) Logprobs are reported under the raw
-logits (before penalties, min_tokens, temperature and filters), as vLLM reports them by default.
+logits (before token controls, penalties, min_tokens, temperature and filters), as vLLM reports
+them by default (``logprobs_mode="raw_logprobs"``), with the chosen token's rank (how many tokens
+are at least as likely).
 
 No finite input makes a row NaN: penalties keep finite logits finite (at most float32's
 largest), and so does the temperature on a penalized row (a model's own logits are far too small
@@ -34,6 +41,7 @@ import numpy as np
 import torch
 
 from pagekv.kernels import decode as cpu_kernel
+from pagekv.runner.token_masks import apply_token_controls, apply_token_masks, in_vocab
 from pagekv.sampling_params import SamplingParams
 
 # Below this temperature dividing the logits overflows toward inf - inf = NaN; such rows are
@@ -65,10 +73,32 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     # Structured output: int32 [ceil(V / 32)], bit t set if token t may be drawn (None: any).
     allowed_tokens: np.ndarray | None = None
+    # ``params.bad_words`` as token sequences (the engine tokenizes them); matched against
+    # ``output_token_ids``, which rows with bad words must carry.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def controlled(self) -> bool:
+        """Whether a bias, an allow list or bad words change this row's logits."""
+        params = self.params
+        return bool(params.logit_bias or self.bad_words_token_ids) or (
+            params.allowed_token_ids is not None
+        )
+
+    def barred_token_ids(self) -> list[int]:
+        """The last token of every bad word whose other tokens end the output so far (vLLM's
+        rule: only the output is matched, not the prompt)."""
+        output = self.output_token_ids
+        barred = []
+        for word in self.bad_words_token_ids:
+            prefix = len(word) - 1
+            if prefix <= len(output) and tuple(output[len(output) - prefix :]) == word[:-1]:
+                barred.append(word[-1])
+        return barred
 
     def suppressed_token_ids(self) -> tuple[int, ...]:
         """Token ids that must not be drawn this step (min_tokens not yet reached)."""
@@ -90,6 +120,9 @@ class SamplerOutput:
     # Per row: True if its logits had no finite maximum (a NaN or +inf logit, or no token left
     # to draw); its token id is then meaningless and the request must end with an error.
     non_finite: list[bool]
+    # Per row that asked for logprobs: the chosen token's rank under the raw logits (1: the
+    # most likely; ties share the lower rank, as vLLM counts); None elsewhere.
+    ranks: list[int | None] | None = None
 
 
 class Sampler:
@@ -102,7 +135,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [B={len(rows)}, V], got {tuple(logits.shape)}")
-        logits = apply_token_masks(logits, rows)
+        raw = apply_token_masks(logits, rows)  # [B, V], the grammar's mask in it
+        logits = apply_token_controls(raw, rows)  # float32 if a row has a bias
         plain = not any(row.params.penalized for row in rows)
         if plain and all(row.greedy and row.params.logprobs is None for row in rows):
             # The maximum is the same in any dtype (bf16 -> float32 is exact): no widening
@@ -110,7 +144,9 @@ class Sampler:
             token_ids = argmax_rows(suppressed)
             bad = non_finite_rows(suppressed, token_ids)
             return SamplerOutput(token_ids.tolist(), None, [None] * len(rows), bad)
+        controlled = logits is not raw
         logits = logits.float()  # [B, V]
+        raw = raw.float() if controlled else logits  # the logprobs' distribution
         processed = _suppress_stop_tokens(apply_penalties(logits, rows), rows)  # [B, V]
         # Greedy for every row first (argmax breaks ties toward the lowest id); sampled rows
         # are overwritten below.
@@ -122,8 +158,8 @@ class Sampler:
             token_ids[index], drawn = _sample(processed[index], [rows[i] for i in sampled])
             for i, ok in zip(sampled, drawn, strict=True):
                 bad[i] = bad[i] or not ok  # a filter's bug: report it, draw nothing
-        chosen, top = _logprobs(logits, token_ids, rows)
-        return SamplerOutput(token_ids.tolist(), chosen, top, bad)
+        chosen, top, ranks = _logprobs(raw, token_ids, rows)
+        return SamplerOutput(token_ids.tolist(), chosen, top, bad, ranks)
 
 
 def non_finite_rows(logits: torch.Tensor, token_ids: torch.Tensor) -> list[bool]:
@@ -155,11 +191,11 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     parts: list[tuple[np.ndarray, ...]] = []  # per row: row, token, count, penalties
     for i in asking:
         params = rows[i].params
-        output = _in_vocab(rows[i].output_token_ids, vocab_size)
+        output = in_vocab(rows[i].output_token_ids, vocab_size)
         seen, counts = np.unique(output, return_counts=True)
         if params.repetition_penalty != 1:
             in_output = seen
-            seen = np.union1d(seen, _in_vocab(rows[i].prompt_token_ids, vocab_size))
+            seen = np.union1d(seen, in_vocab(rows[i].prompt_token_ids, vocab_size))
             counts_of_seen = np.zeros(len(seen), dtype=np.int64)
             counts_of_seen[np.searchsorted(seen, in_output)] = counts
             counts = counts_of_seen
@@ -187,34 +223,6 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     logits = logits.clone()
     logits[row, token] = _finite(values, new)
     return logits
-
-
-def apply_token_masks(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """-inf for every token a row's ``allowed_tokens`` leaves out; copies only if a row has
-    them. One unpacking of the asking rows' bit masks, one masked fill.
-
-    logits: [B, V] -> [B, V]
-    """
-    asking = [i for i, row in enumerate(rows) if row.allowed_tokens is not None]
-    if not asking:
-        return logits
-    words = np.stack([rows[i].allowed_tokens for i in asking])  # type: ignore[misc]
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")  # [A, 32 * W]
-    vocab_size = logits.shape[1]
-    allowed = np.zeros((len(asking), vocab_size), dtype=bool)
-    width = min(vocab_size, bits.shape[1])
-    allowed[:, :width] = bits[:, :width]
-    index = torch.tensor(asking, device=logits.device)
-    logits = logits.clone()
-    refused = torch.from_numpy(~allowed).to(logits.device)
-    logits[index] = logits[index].masked_fill(refused, float("-inf"))
-    return logits
-
-
-def _in_vocab(ids: Sequence[int], vocab_size: int) -> np.ndarray:
-    """int64 ids of ``ids`` inside [0, vocab_size)."""
-    array = np.asarray(ids, dtype=np.int64)
-    return array[(array >= 0) & (array < vocab_size)]
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -401,21 +409,37 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def _logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
-) -> tuple[list[float] | None, list[list[tuple[int, float]] | None]]:
-    """Chosen-token logprob for every row and top-k alternatives, under the raw logits.
+) -> tuple[list[float] | None, list[list[tuple[int, float]] | None], list[int | None] | None]:
+    """Chosen-token logprob for every row, its rank and top-k alternatives for the rows that
+    asked, under the raw logits.
 
-    logits: [B, V]; token_ids: int64 [B]. Computed only when some row asked.
+    logits: float32 [B, V]; token_ids: int64 [B]. Computed only when some row asked.
     """
     wanted = [r.params.logprobs for r in rows]
     top: list[list[tuple[int, float]] | None] = [None] * len(rows)
     if all(k is None for k in wanted):
-        return None, top
+        return None, top, None
     raw = torch.log_softmax(logits, dim=-1)  # [B, V]
-    chosen = raw.gather(1, token_ids[:, None]).squeeze(1).tolist()  # [B]
+    chosen_t = raw.gather(1, token_ids[:, None].to(raw.device))  # [B, 1]
     asking = {i: k for i, k in enumerate(wanted) if k is not None}  # row -> k
-    max_k = min(max(asking.values()), logits.shape[1])
     index = torch.tensor(list(asking), device=logits.device)  # [A]
-    values, ids = raw[index].topk(max_k, dim=-1)  # [A, max_k] each
+    found = rank_and_top(raw[index], chosen_t[index], max(asking.values()))
+    ranks: list[int | None] = [None] * len(rows)
     for a, (i, k) in enumerate(asking.items()):
-        top[i] = list(zip(ids[a, :k].tolist(), values[a, :k].tolist(), strict=True))
-    return chosen, top
+        ranks[i], top[i] = found[a][0], found[a][1][:k]
+    return chosen_t[:, 0].tolist(), top, ranks
+
+
+def rank_and_top(
+    logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+) -> list[tuple[int, list[tuple[int, float]]]]:
+    """Per row: the rank of its chosen value (how many entries are at least as large: vLLM's
+    count) and its ``k`` largest entries as (token id, logprob), largest first.
+
+    logprobs: float32 [R, V]; chosen: [R, 1], each row's chosen token's value."""
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # [R]
+    values, ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)  # [R, k] each
+    pairs = [
+        list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
+    return list(zip(ranks, pairs, strict=True))

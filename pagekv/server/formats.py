@@ -12,16 +12,21 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagekv.engine.outputs import CompletionOutput, RequestOutput
+from pagekv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagekv.server.tools import ToolPlan
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-def _lp(value: float | None) -> float:
-    if value is None or math.isnan(value):
+def _lp(value: Logprob | None) -> float:
+    if value is None or math.isnan(value.logprob):
         return MIN_LOGPROB
-    return max(value, MIN_LOGPROB)
+    return max(value.logprob, MIN_LOGPROB)
+
+
+def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    """A position's tokens, most likely first."""
+    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)
 
 
 class TokenNamer:
@@ -122,7 +127,7 @@ class CompletionFormat:
             name = ctx.namer(token_id)
             tokens.append(name)
             token_lps.append(_lp(entry.get(token_id)))
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            ranked = _ranked(entry)
             tops.append({ctx.namer(t): _lp(v) for t, v in ranked})
             offsets.append(cursor.text_offset)
             cursor.text_offset += len(name)
@@ -224,7 +229,7 @@ class ChatFormat(CompletionFormat):
         content = []
         for i in range(start, end):
             token_id, entry = out.token_ids[i], out.logprobs[i]
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
+            ranked = _ranked(entry)[:top_n]
             content.append(
                 {
                     **self._token(ctx, token_id, entry.get(token_id)),
@@ -234,6 +239,6 @@ class ChatFormat(CompletionFormat):
         return content
 
     @staticmethod
-    def _token(ctx: Context, token_id: int, logprob: float | None) -> dict[str, Any]:
+    def _token(ctx: Context, token_id: int, logprob: Logprob | None) -> dict[str, Any]:
         name = ctx.namer(token_id)
         return {"token": name, "logprob": _lp(logprob), "bytes": list(name.encode("utf-8"))}

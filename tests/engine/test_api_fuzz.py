@@ -125,7 +125,7 @@ def _check_after(llm: LLM, outputs: object) -> None:
             assert all(0 <= t < VOCAB for t in c.token_ids)
             assert c.cumulative_logprob is None or math.isfinite(c.cumulative_logprob)
             for entry in c.logprobs or []:
-                assert all(math.isfinite(v) for v in entry.values())
+                assert all(math.isfinite(v.logprob) for v in entry.values())
 
 
 PROMPT = st.one_of(

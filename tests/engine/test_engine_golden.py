@@ -162,7 +162,7 @@ def test_greedy_equals_transformers(
         completion = out.outputs[0]
         assert completion.finish_reason == "length"
         assert completion.logprobs is not None
-        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        ours_lp = [completion.logprobs[j][t].logprob for j, t in enumerate(completion.token_ids)]
         assert_matches_reference(completion.token_ids, ref, ours_lp)
     check_no_leak(llm.engine.kv)
 
@@ -174,7 +174,7 @@ def _assert_greedy_matches(
     for out, ref in zip(outs, reference, strict=True):
         completion = out.outputs[0]
         assert completion.logprobs is not None
-        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        ours_lp = [completion.logprobs[j][t].logprob for j, t in enumerate(completion.token_ids)]
         assert_matches_reference(completion.token_ids, ref, ours_lp)
 
 

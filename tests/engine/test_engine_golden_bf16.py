@@ -123,7 +123,7 @@ def agreed_tokens(
         completion = out.outputs[0]
         tokens = completion.token_ids
         assert len(tokens) == NUM_NEW_TOKENS and completion.logprobs is not None
-        logprobs = [completion.logprobs[j][t] for j, t in enumerate(tokens)]
+        logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(tokens)]
         agreed = agreeing_prefix(tokens, logprobs, ref, tie_margin, logprob_tol)
         deviations += [abs(logprobs[j] - float(ref.logprobs[j, tokens[j]])) for j in range(agreed)]
     mean = sum(deviations) / max(len(deviations), 1)

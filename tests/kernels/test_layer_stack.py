@@ -64,7 +64,7 @@ def run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
     for rid in ("r0", "r1", "late"):
         completion = outputs[rid].outputs[0]
         logprobs = [
-            entry[token]
+            entry[token].logprob
             for entry, token in zip(completion.logprobs, completion.token_ids, strict=True)
         ]
         results.append((list(completion.token_ids), logprobs))

@@ -229,5 +229,5 @@ def test_engine_greedy_equals_transformers(loaded: LoadedModel, hf_model: object
         ref = _greedy_reference(hf_model, ids, steps=8)  # type: ignore[arg-type]
         completion = out.outputs[0]
         assert completion.logprobs is not None
-        logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(completion.token_ids)]
         assert_matches_reference(completion.token_ids, ref, logprobs)

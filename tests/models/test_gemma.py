@@ -116,7 +116,7 @@ def _assert_greedy_matches(llm: LLM, prompts: list[list[int]], refs: list[Refere
     for out, ref in zip(outs, refs, strict=True):
         completion = out.outputs[0]
         assert completion.logprobs is not None
-        ours_lp = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        ours_lp = [completion.logprobs[j][t].logprob for j, t in enumerate(completion.token_ids)]
         assert_matches_reference(completion.token_ids, ref, ours_lp)
         for j, (ours, theirs) in enumerate(zip(completion.token_ids, ref.tokens, strict=True)):
             if ours != theirs:

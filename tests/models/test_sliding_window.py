@@ -113,7 +113,7 @@ def _generate_and_check(family: Family, repeat: int = 1, **engine: object) -> di
     for out, ref in zip(outs, references, strict=True):
         completion = out.outputs[0]
         assert completion.logprobs is not None
-        logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(completion.token_ids)]
         assert_matches_reference(completion.token_ids, ref, logprobs)
     check_no_leak(llm.engine.kv)
     return llm.engine.stats()
@@ -197,7 +197,7 @@ def test_a_request_longer_than_the_pool_runs_in_its_window(tmp_path: Path) -> No
     assert dropped_seen >= (len(prompt) + steps - WINDOW) // 4 - 1
     completion = outputs[0].outputs[0]
     assert completion.logprobs is not None
-    logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+    logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(completion.token_ids)]
     assert_matches_reference(completion.token_ids, ref, logprobs)
     check_no_leak(kv)
 

@@ -46,7 +46,7 @@ def test_greedy_equals_transformers_on_the_gpu(hf_model: Any, dtype: str) -> Non
         ref = _greedy_reference(hf_model, prompt)
         completion = out.outputs[0]
         assert completion.logprobs is not None
-        logprobs = [completion.logprobs[j][t] for j, t in enumerate(completion.token_ids)]
+        logprobs = [completion.logprobs[j][t].logprob for j, t in enumerate(completion.token_ids)]
         if dtype == "float32":
             assert_matches_reference(completion.token_ids, ref, logprobs)
         else:  # bf16: every token within the reference's top 2 until the first divergence

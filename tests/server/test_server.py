@@ -149,7 +149,7 @@ def test_completion_logprobs(client: openai.OpenAI, model: str, llm: LLM) -> Non
     )[0].outputs[0]
     assert ref.logprobs is not None
     for got, token_id, entry in zip(lp.token_logprobs, ref.token_ids, ref.logprobs, strict=True):
-        assert got == pytest.approx(entry[token_id], abs=1e-3)
+        assert got == pytest.approx(entry[token_id].logprob, abs=1e-3)
     for tops, chosen in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
         assert 3 <= len(tops) <= 4 and max(tops.values()) == pytest.approx(chosen)  # greedy
 
