@@ -10,6 +10,9 @@ from the step's outputs (``step_done``), as vLLM measures them from its engine-c
     arrival --queue--> first scheduled --prefill--> first token --decode--> last token
        '-------------------------- e2e (to the finish) ----------------------------'
 
+Queue, prefill, decode and inference times and per-request preemptions are subtractions of the
+engine's own timestamps (``RequestOutput.metrics``, vLLM's ``RequestStateStats``).
+
 Owns: the ``vllm:*`` metric objects and, for each request in flight, its token count and the
 time of its last token (engine thread only).
 """
@@ -99,6 +102,7 @@ def _num_tokens(output: RequestOutput) -> int:
     return sum(len(o.token_ids) for o in output.outputs)
 
 
+PHASE_HELP = "Histogram of time spent in {} phase for request."
 # field of RequestHistograms -> (vLLM name, help, buckets); None: the request-token buckets
 HISTOGRAMS: dict[str, tuple[str, str, Sequence[float] | None]] = {
     "iteration_tokens": (
@@ -147,6 +151,31 @@ HISTOGRAMS: dict[str, tuple[str, str, Sequence[float] | None]] = {
         "Histogram of e2e request latency in seconds.",
         REQUEST_LATENCY_BUCKETS_S,
     ),
+    "queue_time": (
+        "vllm:request_queue_time_seconds",
+        PHASE_HELP.format("WAITING"),
+        REQUEST_LATENCY_BUCKETS_S,
+    ),
+    "inference_time": (
+        "vllm:request_inference_time_seconds",
+        PHASE_HELP.format("RUNNING"),
+        REQUEST_LATENCY_BUCKETS_S,
+    ),
+    "prefill_time": (
+        "vllm:request_prefill_time_seconds",
+        PHASE_HELP.format("PREFILL"),
+        REQUEST_LATENCY_BUCKETS_S,
+    ),
+    "decode_time": (
+        "vllm:request_decode_time_seconds",
+        PHASE_HELP.format("DECODE"),
+        REQUEST_LATENCY_BUCKETS_S,
+    ),
+    "num_preemptions": (
+        "vllm:request_num_preemptions",
+        "Histogram of the number of times a request was preempted.",
+        NUM_PREEMPTIONS_BUCKETS,
+    ),
 }
 
 
@@ -164,6 +193,11 @@ class RequestHistograms:
     itl: Histogram
     tpot: Histogram
     e2e: Histogram
+    queue_time: Histogram
+    inference_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    num_preemptions: Histogram
 
     @classmethod
     def create(cls, served: ServedModel, registry: CollectorRegistry) -> RequestHistograms:
@@ -254,6 +288,18 @@ class VllmMetrics:
             self.h.tpot.observe((seen.last_token_s - seen.first_token_s) / (longest - 1))
         else:
             self.h.tpot.observe(0.0)
+        self._phases(output)
+
+    def _phases(self, output: RequestOutput) -> None:
+        """The request's phases from the engine's timestamps, subtracted as vLLM does."""
+        m = output.metrics
+        if m is None or not m.scheduled_ts or not m.first_token_ts:
+            return  # ended before its first token (the engine left it no phases to time)
+        self.h.queue_time.observe(m.scheduled_ts - m.queued_ts)
+        self.h.prefill_time.observe(m.first_token_ts - m.scheduled_ts)
+        self.h.decode_time.observe(m.last_token_ts - m.first_token_ts)
+        self.h.inference_time.observe(m.last_token_ts - m.scheduled_ts)
+        self.h.num_preemptions.observe(m.num_preemptions)
 
     def aborted(self, request_id: str) -> None:
         self._in_flight.pop(request_id, None)

@@ -8,11 +8,18 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagekv.engine.outputs import CompletionOutput, RequestOutput
+from pagekv.engine.outputs import CompletionOutput, RequestOutput, RequestStateStats
 from pagekv.server.metrics import Metrics
 from pagekv.server.vllm_metrics import ServedModel, token_buckets
 
 LABELS = (("engine", "0"), ("model_name", "smol"))
+PHASES = (
+    "request_queue_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "request_inference_time_seconds",
+    "request_num_preemptions",
+)
 STATS = {
     "num_running": 2,
     "num_waiting": 1,
@@ -133,3 +140,34 @@ def test_a_one_token_request_has_zero_time_per_output_token(metrics: Metrics) ->
     assert samples[("vllm:request_time_per_output_token_seconds_count", LABELS)] == 1
     assert samples[("vllm:request_time_per_output_token_seconds_sum", LABELS)] == 0
     assert samples[("vllm:inter_token_latency_seconds_count", LABELS)] == 0
+
+
+def test_phases_are_the_engines_timestamps_subtracted(metrics: Metrics) -> None:
+    final = output("a", [[1, 2, 3]], "stop")
+    final.metrics = RequestStateStats(
+        num_generation_tokens=3,
+        num_preemptions=1,
+        queued_ts=10.0,
+        scheduled_ts=10.5,
+        first_token_ts=11.25,
+        last_token_ts=12.0,
+    )
+    metrics.finished(final, 9.75, 11.5, 12.25)
+    _, samples = exported(metrics)
+    sums = {name: samples[(f"vllm:{name}_sum", LABELS)] for name in PHASES}
+    assert sums == {
+        "request_queue_time_seconds": 0.5,
+        "request_prefill_time_seconds": 0.75,
+        "request_decode_time_seconds": 0.75,
+        "request_inference_time_seconds": 1.5,
+        "request_num_preemptions": 1,
+    }
+
+
+def test_a_request_ended_before_its_first_token_has_no_phases(metrics: Metrics) -> None:
+    final = output("a", [[]], "abort")
+    final.metrics = RequestStateStats(queued_ts=10.0)
+    metrics.finished(final, 9.75, 10.0, 10.5)
+    _, samples = exported(metrics)
+    assert all(samples[(f"vllm:{name}_count", LABELS)] == 0 for name in PHASES)
+    assert samples[("vllm:e2e_request_latency_seconds_count", LABELS)] == 1
