@@ -16,8 +16,17 @@ from dataclasses import dataclass, field
 
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler import Scheduler
-from pagekv.engine.beam_search import BeamGroup, BeamSearchOutput, BeamSearchParams, Continuation
+from pagekv.engine.beam_search import (
+    BeamGroup,
+    BeamHypothesis,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    Continuation,
+    TopTokens,
+)
 from pagekv.engine.detokenizer import Decoder
+from pagekv.engine.outputs import Logprob
 from pagekv.sampling_params import SamplingParams
 
 Release = Callable[[str], None]
@@ -77,12 +86,12 @@ class BeamDriver:
         for run in list(self._runs.values()):
             if not run.reports or set(run.reports) != set(run.group.beams):
                 continue
-            survivors = run.group.select(run.reports)
-            run.reports = {}
+            reports, run.reports = run.reports, {}
+            survivors = run.group.select(reports)
             if run.group.done:
                 outputs.append(self._end(run))
             else:
-                self._apply(run, survivors)
+                self._apply(run, survivors, reports)
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -92,7 +101,9 @@ class BeamDriver:
         self._end(run)
         return True
 
-    def _apply(self, run: _Run, survivors: list[Continuation]) -> None:
+    def _apply(
+        self, run: _Run, survivors: list[Continuation], reports: dict[str, TopTokens]
+    ) -> None:
         placed: list[tuple[str, Continuation]] = []
         used: set[str] = set()
         for cont in survivors:
@@ -114,7 +125,7 @@ class BeamDriver:
             parent.release_hold()
             if parent.fork_children:
                 self._scheduler.fork(parent)
-        run.group.advance(placed)
+        run.group.advance(placed, reports)
 
     def _drop(self, run: _Run, beam_id: str) -> None:
         request = run.requests.pop(beam_id)
@@ -126,8 +137,27 @@ class BeamDriver:
         for beam_id in list(run.requests):
             self._drop(run, beam_id)
         del self._runs[run.request_id]
-        sequences = [
-            type(s)(s.token_ids, s.cumulative_logprob, s.score, self._tokenizer.decode(s.token_ids))
-            for s in run.group.result()
-        ]
+        sequences = [self._sequence(run, h) for h in run.group.result()]
         return BeamSearchOutput(run.request_id, run.prompt_token_ids, sequences)
+
+    def _sequence(self, run: _Run, hypothesis: BeamHypothesis) -> BeamSearchSequence:
+        """A hypothesis as vLLM names it: the prompt's tokens then its own, their text."""
+        tokens = [*run.prompt_token_ids, *hypothesis.token_ids]
+        skip = run.group.params.skip_special_tokens
+        return BeamSearchSequence(
+            tokens=tokens,
+            logprobs=[self._logprobs(top) for top in hypothesis.tops],
+            cum_logprob=hypothesis.cumulative_logprob,
+            text=self._tokenizer.decode(tokens, skip_special_tokens=skip),
+            finish_reason="length" if hypothesis.stop_token is None else "stop",
+            stop_reason=hypothesis.stop_token,
+            score=hypothesis.score,
+            num_prompt_tokens=len(run.prompt_token_ids),
+        )
+
+    def _logprobs(self, top: TopTokens) -> dict[int, Logprob]:
+        decode = self._tokenizer.decode
+        return {
+            token: Logprob(lp, rank, decode([token], skip_special_tokens=False))
+            for rank, (token, lp) in enumerate(top, start=1)
+        }

@@ -16,15 +16,22 @@ early_stopping=..)``):
     running      the best W candidates that do not end
     stop         the pool is full and early_stopping is True; or no running beam can beat the
                  pool's worst (the length heuristic); or max_tokens is reached
+
+Outputs are named as vLLM's (``BeamSearchOutput.sequences[i].tokens / .text / .cum_logprob /
+.logprobs``): ``tokens`` and ``text`` hold the prompt and the generated tokens, as vLLM's do;
+``token_ids`` (generated only), ``cumulative_logprob`` and ``score`` are pagekv's own names.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagekv.errors import InvalidRequestError
 from pagekv.sampling_params import MAX_LOGPROBS
+
+TopTokens = list[tuple[int, float]]  # one step's best (token id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,9 @@ class BeamSearchParams:
     early_stopping: bool | str = False  # True, False or "never", as in transformers
     ignore_eos: bool = False
     temperature: float = 0.0
+    include_stop_str_in_output: bool = False  # vLLM's; beam search has no stop strings
+    skip_special_tokens: bool = True  # for the sequences' text
+    structured_outputs: Any = None  # vLLM's; not taken with beam search here
 
     def __post_init__(self) -> None:
         max_width = MAX_LOGPROBS // 2
@@ -61,6 +71,11 @@ class BeamSearchParams:
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
                 "early_stopping",
             )
+        if self.structured_outputs is not None:
+            raise InvalidRequestError(
+                "structured_outputs: not taken with beam search here (use SamplingParams)",
+                "structured_outputs",
+            )
         if self.temperature != 0:
             raise InvalidRequestError(
                 "beam search is deterministic: temperature must be 0 "
@@ -70,20 +85,49 @@ class BeamSearchParams:
 
 
 @dataclass(frozen=True)
-class BeamSequence:
-    """One finished hypothesis, best first in ``BeamSearchOutput.sequences``."""
+class BeamHypothesis:
+    """A finished hypothesis inside a group: its generated tokens and each step's top tokens."""
 
     token_ids: list[int]  # generated tokens (an ending eos included)
     cumulative_logprob: float
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
-    text: str = ""
+    tops: list[TopTokens]  # per generated token: the parent beam's best tokens that step
+    stop_token: int | None  # the eos token that ended it; None: max_tokens did
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis of ``BeamSearchOutput.sequences`` (best first), named as vLLM's:
+    ``tokens`` are the prompt's then the generated ones, ``text`` their text; ``logprobs`` has
+    one entry per generated token (that step's best tokens of the beam, as ``Logprob``s)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Any]]
+    cum_logprob: float
+    text: str | None
+    finish_reason: str  # "stop" (an eos token) or "length"
+    stop_reason: int | None  # the eos token id that ended it
+    score: float  # pagekv's: cum_logprob / generated length ** length_penalty
+    num_prompt_tokens: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated tokens only (pagekv's name)."""
+        return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return self.cum_logprob
+
+
+BeamSequence = BeamSearchSequence  # the name before vLLM's
 
 
 @dataclass
 class BeamSearchOutput:
     request_id: str
     prompt_token_ids: list[int]
-    sequences: list[BeamSequence]
+    sequences: list[BeamSearchSequence]
 
 
 @dataclass(frozen=True)
@@ -104,11 +148,12 @@ class BeamGroup:
     beams: list[str]
     scores: dict[str, float]
     tokens: dict[str, list[int]]  # generated tokens of each live beam, before this step's
-    finished: list[BeamSequence] = field(default_factory=list)
+    tops: dict[str, list[TopTokens]] = field(default_factory=dict)  # each live beam's steps
+    finished: list[BeamHypothesis] = field(default_factory=list)
     can_improve: bool = True
     done: bool = False
 
-    def select(self, top: dict[str, list[tuple[int, float]]]) -> list[Continuation]:
+    def select(self, top: dict[str, TopTokens]) -> list[Continuation]:
         """One step: ``top[beam]`` are that beam's best (token, logprob) pairs."""
         width, params = self.params.beam_width, self.params
         gen_len = len(self.tokens[self.beams[0]]) + 1
@@ -125,16 +170,19 @@ class BeamGroup:
         if self.can_improve and not pool_full:
             for i, (cand, end) in enumerate(zip(cands, ends, strict=True)):
                 if end and i < width:
-                    self._add_finished(cand[3], cand[2], cand[0], gen_len)
+                    self._add_finished(cand[3], cand[2], cand[0], top[cand[3]])
         running = [
             Continuation(c[3], c[2], c[0]) for c, end in zip(cands, ends, strict=True) if not end
         ][:width]
         self._update_stop(running, gen_len, is_last)
         return [] if self.done else running
 
-    def _add_finished(self, beam: str, token: int, cum: float, gen_len: int) -> None:
-        score = cum / gen_len**self.params.length_penalty
-        self.finished.append(BeamSequence([*self.tokens[beam], token], cum, score))
+    def _add_finished(self, beam: str, token: int, cum: float, top: TopTokens) -> None:
+        tokens = [*self.tokens[beam], token]
+        score = cum / len(tokens) ** self.params.length_penalty
+        eos = not self.params.ignore_eos and token in self.eos_token_ids
+        tops = [*self.tops.get(beam, []), top]
+        self.finished.append(BeamHypothesis(tokens, cum, score, tops, token if eos else None))
         self.finished.sort(key=lambda s: -s.score)
         del self.finished[self.params.beam_width :]
 
@@ -153,12 +201,14 @@ class BeamGroup:
             or (full and params.early_stopping is True)
         )
 
-    def advance(self, survivors: list[tuple[str, Continuation]]) -> None:
-        """Record the new live beams: (request id now holding it, the continuation)."""
-        old_tokens = self.tokens
+    def advance(self, survivors: list[tuple[str, Continuation]], top: dict[str, TopTokens]) -> None:
+        """Record the new live beams: (request id now holding it, the continuation), and the
+        step's best tokens of each parent (``top``, as given to ``select``)."""
+        old_tokens, old_tops = self.tokens, self.tops
         self.beams = [rid for rid, _ in survivors]
         self.scores = {rid: c.cumulative_logprob for rid, c in survivors}
         self.tokens = {rid: [*old_tokens[c.parent], c.token_id] for rid, c in survivors}
+        self.tops = {rid: [*old_tops.get(c.parent, []), top[c.parent]] for rid, c in survivors}
 
-    def result(self) -> list[BeamSequence]:
+    def result(self) -> list[BeamHypothesis]:
         return sorted(self.finished, key=lambda s: -s.score)

@@ -379,3 +379,72 @@ def test_chat_templates_given_by_text_or_path_and_their_kwargs(llm: LLM, tmp_pat
     with pytest.raises(InvalidRequestError) as info:
         llm.chat(CHAT, GREEDY, chat_template="missing.jinja")
     assert info.value.param == "chat_template"
+
+
+# ---- issue #58's offline list, item by item -----------------------------------------------
+
+
+def test_the_issues_offline_list_each_item_retried(llm: LLM, smol_cache: Path) -> None:
+    """Every observation of issue #58's "Offline API" item, tried again: each passes (or, for
+    values this engine cannot honour, is refused naming the field: see the tests above)."""
+    import pagekv
+    from pagekv.engine import llm_args
+
+    # LLM(seed=0), enforce_eager, tensor_parallel_size=1, trust_remote_code, kv_cache_dtype
+    # "auto", dtype "auto"/"half", swap_space=4 (GiB), max_model_len="4k": accepted as vLLM's
+    for dtype, engine_dtype in (("auto", "float32"), ("half", "bfloat16")):
+        config = llm_args.engine_config(
+            None,
+            {
+                "seed": 0,
+                "enforce_eager": True,
+                "tensor_parallel_size": 1,
+                "trust_remote_code": True,
+                "kv_cache_dtype": "auto",
+                "dtype": dtype,
+                "swap_space": 4,
+                "max_model_len": "4k",
+            },
+        )
+        assert (config.seed, config.dtype, config.max_model_len) == (0, engine_dtype, 4000)
+        assert host_pool_bytes(config) == 4 * 2**30
+    # SamplingParams(top_k=-1), stop=None, max_tokens=None
+    unbounded = SamplingParams(temperature=0, top_k=-1, stop=None, max_tokens=None)
+    assert unbounded.top_k is None and unbounded.stop == ()
+    # prompt_logprobs, logit_bias, allowed_token_ids, bad_words; Logprob objects; a bare
+    # list[int] prompt
+    tok = llm.get_tokenizer()
+    ids = tok.encode("The capital of France is")
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=3,
+        logprobs=2,
+        prompt_logprobs=2,
+        logit_bias={ids[0]: -5.0},
+        allowed_token_ids=list(range(1000, 20000)),
+        bad_words=["Paris"],
+    )
+    out = llm.generate(ids, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert all(1000 <= t < 20000 for t in completion.token_ids)
+    assert "Paris" not in completion.text
+    first = completion.logprobs[0][completion.token_ids[0]]  # type: ignore[index]
+    assert isinstance(first, pagekv.Logprob)
+    # ranked under the raw distribution (vLLM's default), before the bias and the allowed set
+    assert isinstance(first.rank, int) and first.rank >= 1
+    assert (type(first.logprob), type(first.decoded_token)) == (float, str)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert out.metrics is not None and out.metrics.num_generation_tokens == 3
+    # beam outputs named as vLLM's
+    beams = llm.beam_search([TokensPrompt(prompt_token_ids=ids)], pagekv.BeamSearchParams(2, 3))
+    best = beams[0].sequences[0]
+    assert (len(best.tokens), len(best.logprobs)) == (len(ids) + 3, 3)
+    assert isinstance(best.cum_logprob, float) and best.text.startswith(tok.decode(ids))
+    # get_tokenizer() callable, with transformers' apply_chat_template
+    assert tok("Hi").input_ids == tok.encode("Hi")
+    text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert isinstance(text, str) and text.endswith("assistant\n")
+    # TokensPrompt / TextPrompt exported (from pagekv and pagekv.inputs)
+    assert pagekv.TokensPrompt is TokensPrompt and pagekv.TextPrompt is TextPrompt
+    # a Hugging Face model id in the local HF cache
+    assert resolve_model_path(SMOL_ID).startswith(str(smol_cache))

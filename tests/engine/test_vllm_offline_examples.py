@@ -1,6 +1,7 @@
 """vLLM's documented offline examples (vllm-project/vllm, examples/offline_inference: basic,
 basic/chat, structured outputs, and the documented logprobs and beam search calls) run here with
-only their import lines changed (``vllm`` -> ``pagekv``), on the default model under its Hugging
+only their import lines changed (``vllm`` -> ``pagekv``; vLLM's ``vllm.sampling_params``
+``BeamSearchParams`` is ``pagekv.BeamSearchParams``), on the default model under its Hugging
 Face id in a local HF cache. Each test makes the example's calls in the example's order, with
 the command-line values a user could pass (small ``max_tokens``) where the example reads them,
 and checks what the example prints is there."""
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from pagekv import LLM, SamplingParams
+from pagekv import LLM, BeamSearchParams, SamplingParams
 from pagekv.sampling_params import StructuredOutputsParams
 from tests.engine.test_vllm_offline_api import SMOL_ID, fake_hub_cache
 
@@ -151,3 +152,49 @@ def test_structured_outputs(llm: LLM) -> None:
     assert re.fullmatch(r"\w+(@\w*(\.(c(om?)?)?)?)?", texts[1])
     assert texts[2].startswith("{")  # a JSON object, cut at 16 tokens
     assert texts[3].startswith("SELECT col_")
+
+
+def test_logprobs(llm: LLM) -> None:
+    """vLLM's documented logprobs call (and llm_engine_example.py's first prompt): the chosen
+    token's and the top alternatives' ``Logprob`` objects per output token, and
+    ``prompt_logprobs`` (None for the first prompt token)."""
+    prompt = "A robot may not injure a human being"
+    sampling_params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, prompt_logprobs=5)
+    outputs = llm.generate(prompt, sampling_params)
+    output = outputs[0]
+    print(output.prompt_logprobs)
+    for position in output.outputs[0].logprobs or []:
+        for token_id, logprob in position.items():
+            print(token_id, logprob.logprob, logprob.rank, logprob.decoded_token)
+    completion = output.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 4
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token_id in position and position[token_id].rank == 1  # greedy
+        ranks = sorted(lp.rank for lp in position.values() if lp.rank is not None)
+        assert ranks[:5] == [1, 2, 3, 4, 5]
+        assert all(isinstance(lp.decoded_token, str) for lp in position.values())
+    prompt_logprobs = output.prompt_logprobs
+    assert prompt_logprobs is not None and prompt_logprobs[0] is None
+    assert len(prompt_logprobs) == len(output.prompt_token_ids)
+    for token_id, position in zip(output.prompt_token_ids[1:], prompt_logprobs[1:], strict=True):
+        assert position is not None and token_id in position
+        assert position[token_id].logprob <= 0.0
+
+
+def test_beam_search(llm: LLM) -> None:
+    """vLLM's documented beam search call: prompts as dicts, ``output.sequences[i].text``."""
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    outputs = llm.beam_search([{"prompt": "The capital of France is"}], params)
+    for output in outputs:
+        generated_text = output.sequences[0].text
+        print(generated_text)
+    (output,) = outputs
+    prompt_ids = llm.get_tokenizer().encode("The capital of France is")
+    assert 1 <= len(output.sequences) <= 3
+    best = output.sequences[0]
+    assert best.tokens[: len(prompt_ids)] == prompt_ids  # the prompt's tokens, then its own
+    assert best.text == llm.get_tokenizer().decode(best.tokens, skip_special_tokens=True)
+    assert best.text.startswith("The capital of France is")
+    assert best.tokens[len(prompt_ids) :] == best.token_ids  # pagekv's name: generated only
+    chosen = [p[t].logprob for t, p in zip(best.token_ids, best.logprobs, strict=True)]
+    assert sum(chosen) == pytest.approx(best.cum_logprob, abs=1e-4)
