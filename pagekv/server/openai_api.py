@@ -23,7 +23,7 @@ from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 from pagekv.server.chat_prompt import chat_prompt
 from pagekv.server.engine_loop import EngineRequest
 from pagekv.server.errors import ModelCardNotFoundError
-from pagekv.server.formats import ChatFormat, CompletionFormat, Context, Cursor, TokenNamer
+from pagekv.server.formats import ChatFormat, CompletionFormat, Context, TokenNamer
 from pagekv.server.handling import (
     admit,
     client_of,
@@ -45,7 +45,8 @@ from pagekv.server.protocol import (
     validate,
     with_defaults,
 )
-from pagekv.server.sse import completion_events
+from pagekv.server.scoring import PromptScoring, raw_prompt_logprobs
+from pagekv.server.sse import Reply, completion_events, first_choice
 from pagekv.server.state import ServerState
 from pagekv.server.structured import constraint_of, relabel
 from pagekv.server.tools import ToolPlan
@@ -99,7 +100,14 @@ async def create_completion(request: Request) -> Response:
     requests = [
         EngineRequest(f"{ctx.response_id}-{i}", p, params, client) for i, p in enumerate(ids)
     ]
-    return await _respond(request, CompletionFormat(), ctx, requests, (req.stream, field))
+    scoring = None
+    if req.echo or req.prompt_logprobs is not None:
+        texts = [p if isinstance(p, str) else state.tokenizer.decode(p, False) for p in prompts]
+        asked = req.prompt_logprobs is not None or (req.echo and req.logprobs is not None)
+        shown = asked and not req.stream  # vLLM's chunks carry no prompt_logprobs
+        scoring = PromptScoring(tuple(texts) if req.echo else None, shown)
+    reply = Reply(CompletionFormat(), ctx, req.stream, field, scoring)
+    return await _respond(request, reply, requests)
 
 
 @router.post("/chat/completions")
@@ -141,7 +149,10 @@ async def create_chat_completion(request: Request) -> Response:
     ctx = _context(state, "chatcmpl", params, req)
     requests = [EngineRequest(f"{ctx.response_id}-0", prompt, params, client_of(request))]
     fmt = ChatFormat(req.stream, tools if tools.active else None)
-    return await _respond(request, fmt, ctx, requests, (req.stream, field))
+    scoring = None
+    if req.prompt_logprobs is not None:
+        scoring = PromptScoring(None, True, in_choices=False)
+    return await _respond(request, Reply(fmt, ctx, req.stream, field, scoring), requests)
 
 
 async def _check_tool_schemas(state: ServerState, tools: ToolPlan) -> None:
@@ -174,25 +185,21 @@ def _context(
     )
 
 
-async def _respond(
-    request: Request,
-    fmt: CompletionFormat,
-    ctx: Context,
-    requests: list[EngineRequest],
-    stream_and_field: tuple[bool, str | None],
-) -> Response:
-    """Queue ``requests``; stream their chunks, or answer with every choice when all finish.
-    ``stream_and_field``: whether to stream, and the field of the request's constraint."""
-    stream, constraint_field = stream_and_field
-    outputs, release = await admit(request, requests, constraint_field)
+async def _respond(request: Request, reply: Reply, requests: list[EngineRequest]) -> Response:
+    """Queue ``requests``; stream their chunks, or answer with every choice when all finish."""
+    outputs, release = await admit(request, requests, reply.constraint_field)
     params = requests[0].params
-    if stream:
+    if reply.stream:
         hold_chars = max((len(s) for s in params.stop), default=1) - 1
-        return streamed(request, outputs, release, completion_events(fmt, ctx, outputs, hold_chars))
+        events = completion_events(reply, outputs, hold_chars)
+        return streamed(request, outputs, release, events)
     finals = await collect(request, outputs, release)
     choices = [
-        fmt.choice(ctx, p * ctx.n + o.index, o, Cursor())
+        first_choice(reply, p, o, final, 0)[0]
         for p, final in enumerate(finals)
         for o in final.outputs
     ]
-    return JSONResponse(fmt.response(ctx, choices, finals))
+    body = reply.fmt.response(reply.ctx, choices, finals)
+    if reply.scoring is not None and not reply.scoring.in_choices:  # vLLM's chat: beside
+        body["prompt_logprobs"] = raw_prompt_logprobs(finals[0].prompt_logprobs)
+    return JSONResponse(body)

@@ -1,13 +1,14 @@
 """Request bodies of the OpenAI API, parsed strictly, and their translation to engine inputs.
 
-A body is decoded as UTF-8, scanned for nesting deeper than ``MAX_JSON_DEPTH`` (refused before
-the parser recurses into it), parsed as JSON, checked for strings that are not valid Unicode
-(lone UTF-16 surrogates such as ``"\\ud800"`` decode, but no tokenizer or encoder takes them),
+A body is parsed as a JSON object (``json_body.py``: UTF-8, a nesting limit, valid Unicode),
 validated by a pydantic model in strict mode (no "5" for 5, no true for 1, no NaN or infinity)
 and turned into ``SamplingParams``, whose own checks name the bad parameter. Every failure is
 an ``InvalidRequestError`` carrying ``param``: HTTP 400. Unknown fields are ignored, as
 OpenAI-compatible servers do; every known field is honoured, or refused where it cannot be
-(``suffix``, ``best_of != n``, ``echo`` and ``logit_bias``) rather than silently ignored.
+(``suffix``, ``best_of != n``, ``prompt_logprobs`` on a stream) rather than silently ignored.
+``echo`` and ``prompt_logprobs`` score the prompt (``scoring.py``): with ``echo`` and
+``logprobs``, the prompt's logprobs are asked for as vLLM asks, and ``max_tokens`` 0 scores the
+prompt alone.
 Constraints on the output are read by ``structured.py``, tools by ``tools.py``; unset sampling
 fields take the server's defaults (``--generation-config``), then the API's.
 """
@@ -15,24 +16,21 @@ fields take the server's defaults (``--generation-config``), then the API's.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pagekv.errors import InvalidRequestError
 from pagekv.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from pagekv.server import json_body
+from pagekv.server.json_body import MAX_JSON_DEPTH
+
+__all__ = ["MAX_JSON_DEPTH"]  # re-exported: the limit on this API's bodies
 
 PromptInput = str | list[int]
 M = TypeVar("M", bound=BaseModel)
 
-MAX_JSON_DEPTH = 32  # arrays and objects inside each other; the bodies of this API need few
 MAX_TEMPERATURE = 2.0  # OpenAI's API takes temperature in [0, 2]
-_STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'  # a JSON string, escapes included
-_STRING_OR_BRACKET = re.compile(_STRING + rb"|[\[\]{}]")
-_STRINGS = re.compile(_STRING)
-_NOT_OPENING = bytes(b for b in range(256) if b not in b"[{")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Body(BaseModel):
@@ -70,6 +68,9 @@ class _Sampling(Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-...
+    # vLLM's token controls (the engine checks the ids against the vocabulary)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM's constraints on the output (structured.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -91,6 +92,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     add_special_tokens: bool = True  # the model's BOS (if it has one) before a text prompt
     response_format: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
 
 
 class TextPart(Body):
@@ -152,6 +154,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # on top of what the template writes
+    prompt_logprobs: int | None = None  # vLLM's: beside the choices
 
 
 _MODELS: tuple[type[BaseModel], ...] = (
@@ -172,90 +175,9 @@ _TOP_FIELDS = {*CompletionRequest.model_fields, *ChatCompletionRequest.model_fie
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The JSON object in ``raw``; 400 for bad UTF-8, deep nesting, bad JSON, a non-object or
-    a string that is not valid Unicode."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"request body is not valid UTF-8: {exc.reason}") from None
-    check_depth(raw)
-    try:
-        data = json.loads(text)
-    except ValueError as exc:  # JSONDecodeError, or an integer of more digits than int() takes
-        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidRequestError("request body must be a JSON object")
-    bad_text = invalid_text_path(data)
-    if bad_text is not None:
-        param = bad_text or "body"
-        raise InvalidRequestError(f"{param}: not valid Unicode (a lone UTF-16 surrogate)", param)
-    return data
-
-
-def check_depth(raw: bytes) -> None:
-    """Refuse JSON whose arrays and objects nest deeper than ``MAX_JSON_DEPTH``, from the raw
-    bytes and before any parser recurses; ``param`` is the top-level field holding the depth.
-
-    Brackets inside strings do not count. A body with fewer opening brackets than the limit
-    cannot be too deep, so an ordinary body costs one substitution and one ``translate``.
-    """
-    skeleton = _STRINGS.sub(b'""', raw)
-    if len(skeleton.translate(None, _NOT_OPENING)) <= MAX_JSON_DEPTH:
-        return
-    depth, outer, key = 0, 0, b""
-    for match in _STRING_OR_BRACKET.finditer(raw):
-        first = raw[match.start()]
-        if first == ord('"'):
-            key = match.group() if depth == 1 else key
-        elif first in b"[{":
-            depth += 1
-            outer = outer or first
-            if depth > MAX_JSON_DEPTH:
-                param = _field_named(key) if outer == ord("{") else "body"
-                raise InvalidRequestError(
-                    f"{param}: nested deeper than {MAX_JSON_DEPTH} arrays or objects", param
-                )
-        else:
-            depth -= 1
-
-
-def _field_named(key: bytes) -> str:
-    """The request field a raw JSON key names, or ``body`` for a key that names none."""
-    try:
-        name = json.loads(key)
-    except ValueError:
-        return "body"
-    return name if name in _TOP_FIELDS else "body"
-
-
-def invalid_text_path(value: Any, path: str = "") -> str | None:
-    """Where the first string (object key or value) in ``value`` that is not valid Unicode is,
-    as ``messages[0].content`` ("" for the top); None if every string is valid.
-
-    A bad key is reported as the object holding it, so a reported path is itself valid text.
-    """
-    if isinstance(value, str):
-        return None if _is_unicode(value) else path
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not _is_unicode(key):
-                return path
-            found = invalid_text_path(item, f"{path}.{key}" if path else key)
-            if found is not None:
-                return found
-    if isinstance(value, list):
-        for i, item in enumerate(value):
-            if not isinstance(item, str | dict | list):
-                continue  # a number, a bool or null: no text (and token id lists are long)
-            found = invalid_text_path(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
-def _is_unicode(text: str) -> bool:
-    """No lone surrogate: ``text`` encodes as UTF-8."""
-    return text.isascii() or _SURROGATE.search(text) is None
+    """The JSON object in ``raw`` (``json_body.parse_json``), a field too deep named as one of
+    these request bodies' fields."""
+    return json_body.parse_json(raw, _TOP_FIELDS)
 
 
 def validate(model: type[M], data: dict[str, Any]) -> M:
@@ -282,11 +204,13 @@ def _param(loc: tuple[int | str, ...]) -> str:
 
 def _reject_unsupported(req: _Sampling) -> None:
     """Refuse what would change the output if honoured, rather than ignore it."""
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias: not supported", "logit_bias")
+    prompt_logprobs = getattr(req, "prompt_logprobs", None)
+    if prompt_logprobs is not None and req.stream:
+        raise InvalidRequestError(
+            "prompt_logprobs: not available when stream is true (echo with logprobs is)",
+            "prompt_logprobs",
+        )
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise InvalidRequestError("echo: not supported", "echo")
         if req.suffix:
             raise InvalidRequestError("suffix: not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -325,6 +249,29 @@ def with_defaults(req: S, defaults: tuple[tuple[str, float], ...]) -> S:
     return req.model_copy(update=update) if update else req
 
 
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """``logit_bias`` with its keys (token ids as JSON text) as integers."""
+    if bias is None:
+        return None
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise InvalidRequestError(
+            "logit_bias: keys must be token ids (integers as text)", "logit_bias"
+        ) from None
+
+
+def prompt_logprobs_of(req: _Sampling, max_tokens: int | None) -> int | None:
+    """``SamplingParams.prompt_logprobs``: as asked, or with ``echo`` the ``logprobs`` (vLLM's
+    rule); a prompt echoed with nothing generated (``max_tokens`` 0) is scored all the same."""
+    asked: int | None = getattr(req, "prompt_logprobs", None)
+    if not isinstance(req, CompletionRequest) or asked is not None or not req.echo:
+        return asked
+    if req.logprobs is None and max_tokens == 0:
+        return 0
+    return req.logprobs
+
+
 def sampling_params(
     req: _Sampling,
     max_tokens: int | None,
@@ -357,6 +304,10 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         structured_outputs=constraint,
+        prompt_logprobs=prompt_logprobs_of(req, max_tokens),
+        logit_bias=_token_keys(req.logit_bias),
+        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+        bad_words=tuple(req.bad_words or ()),
     )
 
 

@@ -2,7 +2,8 @@
 aborts its engine requests however the stream ends.
 
 Each chunk carries ONE choice (as OpenAI streams ``n > 1``): a choice's new text goes out as
-soon as its output arrives, in a chunk of its own, with ``index`` saying whose it is.
+soon as its output arrives, in a chunk of its own, with ``index`` saying whose it is. A
+completion that echoes its prompt sends it in the choice's first chunk (``scoring.py``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
 
+from pagekv.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.errors import PagekvError
 from pagekv.server.errors import error_body
 from pagekv.server.formats import CompletionFormat, Context, Cursor, usage
+from pagekv.server.scoring import PromptScoring
 from pagekv.server.streams import OutputStream
 
 logger = logging.getLogger("pagekv.server")
@@ -31,11 +35,39 @@ def sse(body: dict[str, Any], event: str | None = None) -> str:
     return f"{named}data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+@dataclass(frozen=True)
+class Reply:
+    """How a response is written: its body format, what its bodies share, whether it streams,
+    the request field its output constraint came from, and how a completion shows its prompt."""
+
+    fmt: CompletionFormat
+    ctx: Context
+    stream: bool
+    constraint_field: str | None = None
+    scoring: PromptScoring | None = None
+
+
+def first_choice(
+    reply: Reply, prompt_index: int, out: CompletionOutput, output: RequestOutput, hold_chars: int
+) -> tuple[dict[str, Any], Cursor]:
+    """A choice's first body (all of it when not held back) and the cursor for the rest; a
+    completion's prompt part first when it shows one."""
+    ctx, scoring = reply.ctx, reply.scoring
+    prefix = None
+    if scoring is not None and scoring.ready(ctx, output):
+        prefix = scoring.prefix(ctx, output, prompt_index)
+    cursor = Cursor(text_offset=0 if prefix is None else prefix.end_offset)
+    index = prompt_index * ctx.n + out.index
+    choice = reply.fmt.choice(ctx, index, out, cursor, hold_chars)
+    return (choice if prefix is None else prefix.put_before(choice)), cursor
+
+
 async def completion_events(
-    fmt: CompletionFormat, ctx: Context, outputs: OutputStream, hold_chars: int
+    reply: Reply, outputs: OutputStream, hold_chars: int
 ) -> AsyncIterator[str]:
     """Chunks as outputs arrive, one choice each, then (if asked) a usage chunk, then
     ``[DONE]``. ``hold_chars``: text held back while it may be the start of a stop string."""
+    fmt, ctx = reply.fmt, reply.ctx
     for choice in fmt.opening_choices(ctx, len(outputs.request_ids) * ctx.n):
         yield sse(_chunk(fmt, ctx, [choice]))
     cursors: dict[int, Cursor] = {}
@@ -44,13 +76,23 @@ async def completion_events(
             p, output = await outputs.get()
             for o in output.outputs:
                 index = p * ctx.n + o.index
-                cursor = cursors.setdefault(index, Cursor())
-                if cursor.done:
+                cursor = cursors.get(index)
+                if cursor is not None and cursor.done:
                     continue
-                before = (cursor.num_chars, cursor.num_tokens if ctx.logprobs is not None else 0)
-                choice = fmt.choice(ctx, index, o, cursor, hold_chars)
-                after = (cursor.num_chars, cursor.num_tokens if ctx.logprobs is not None else 0)
-                if after != before or o.finished:
+                counted = ctx.logprobs is not None
+                before = (0, 0) if cursor is None else (cursor.num_chars, cursor.num_tokens)
+                if cursor is None:
+                    waits = reply.scoring is not None and not reply.scoring.ready(ctx, output)
+                    if waits and not output.finished:
+                        continue  # its prompt's logprobs come with a later output
+                    choice, cursor = first_choice(reply, p, o, output, hold_chars)
+                    cursors[index] = cursor
+                    shows_prompt = reply.scoring is not None
+                else:
+                    choice, shows_prompt = fmt.choice(ctx, index, o, cursor, hold_chars), False
+                after = (cursor.num_chars, cursor.num_tokens)
+                moved = after[0] != before[0] or (counted and after[1] != before[1])
+                if moved or o.finished or shows_prompt:
                     yield sse(_chunk(fmt, ctx, [choice]))
     except PagekvError as exc:  # the engine stopped: tell the client in-band
         yield sse(error_body(exc)[1])

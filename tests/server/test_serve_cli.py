@@ -68,6 +68,7 @@ def test_vllm_flags_make_the_server_config(tmp_path: Path) -> None:
     assert config.sampling_defaults == (("temperature", 0.5),)
     assert args.seed == 7  # an EngineConfig field: engine_config(args) takes it
     assert not server_config(serve_args("--disable-log-requests")).logs.log_requests
+    assert not server_config(serve_args("--disable-uvicorn-access-log")).logs.access_log
 
 
 def test_help_shows_every_default() -> None:
