@@ -50,6 +50,13 @@ class EngineRequest:
     prompt: str | list[int]
     params: SamplingParams
     client: str | None = None  # whose (the fair policy's turns): the address it came from
+    priority: int = 0  # the priority policy's (lower first)
+    cache_salt: str | None = None  # its prefix-cache blocks are shared only with this salt's
+
+    def options(self) -> dict[str, Any]:
+        """``add_request``'s keyword arguments that differ from their defaults."""
+        given = {"priority": self.priority or None, "cache_salt": self.cache_salt}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 @dataclass
@@ -204,7 +211,9 @@ class EngineLoop:
         added: list[str] = []
         try:
             for r in command.requests:
-                self.engine.add_request(r.request_id, r.prompt, r.params, client=r.client)
+                self.engine.add_request(
+                    r.request_id, r.prompt, r.params, client=r.client, **r.options()
+                )
                 added.append(r.request_id)
         except Exception as exc:  # InvalidRequestError mostly; the handler maps it
             for rid in added:

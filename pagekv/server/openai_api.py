@@ -41,6 +41,7 @@ from pagekv.server.protocol import (
     chat_max_tokens,
     chat_messages,
     completion_prompts,
+    refuse_unhonoured,
     sampling_params,
     validate,
     with_defaults,
@@ -85,7 +86,9 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
 @router.post("/completions")
 async def create_completion(request: Request) -> Response:
     state = state_of(request)
-    req = validate(CompletionRequest, await read_json(request))
+    data = await read_json(request)
+    refuse_unhonoured(data, chat=False)
+    req = validate(CompletionRequest, data)
     state.check_model(req.model)
     req = with_defaults(req, state.config.sampling_defaults)
     max_tokens = req.max_tokens
@@ -96,9 +99,12 @@ async def create_completion(request: Request) -> Response:
     prompts = completion_prompts(req, state.config.max_choices)
     ids = await asyncio.to_thread(tokenized, state, prompts, max_tokens, req.add_special_tokens)
     ctx = _context(state, "cmpl", params, req)
+    state.check_priority(req.priority)
     client = client_of(request)
+    extra = (req.priority, req.cache_salt)
     requests = [
-        EngineRequest(f"{ctx.response_id}-{i}", p, params, client) for i, p in enumerate(ids)
+        EngineRequest(f"{ctx.response_id}-{i}", p, params, client, *extra)
+        for i, p in enumerate(ids)
     ]
     scoring = None
     if req.echo or req.prompt_logprobs is not None:
@@ -113,7 +119,9 @@ async def create_completion(request: Request) -> Response:
 @router.post("/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state = state_of(request)
-    req = validate(ChatCompletionRequest, await read_json(request))
+    data = await read_json(request)
+    refuse_unhonoured(data, chat=True)
+    req = validate(ChatCompletionRequest, data)
     state.check_model(req.model)
     req = with_defaults(req, state.config.sampling_defaults)
     tags = state.tokenizer.tool_call_tags
@@ -147,7 +155,9 @@ async def create_chat_completion(request: Request) -> Response:
     params = sampling_params(req, max_tokens, chat_logprobs(req), state.config.max_n, constraint)
     (prompt,) = tokenized(state, [prompt], max_tokens)
     ctx = _context(state, "chatcmpl", params, req)
-    requests = [EngineRequest(f"{ctx.response_id}-0", prompt, params, client_of(request))]
+    state.check_priority(req.priority)
+    rid, client = f"{ctx.response_id}-0", client_of(request)
+    requests = [EngineRequest(rid, prompt, params, client, req.priority, req.cache_salt)]
     fmt = ChatFormat(req.stream, tools if tools.active else None)
     scoring = None
     if req.prompt_logprobs is not None:

@@ -68,6 +68,8 @@ class _Sampling(Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-...
+    priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority only
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with the same salt
     # vLLM's token controls (the engine checks the ids against the vocabulary)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -178,6 +180,49 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The JSON object in ``raw`` (``json_body.parse_json``), a field too deep named as one of
     these request bodies' fields."""
     return json_body.parse_json(raw, _TOP_FIELDS)
+
+
+# Fields of vLLM's (and OpenAI's) requests that this server does not honour, with the values
+# that ask for nothing (as good as absent). Any other value is refused by name, not ignored as
+# an unknown field would be.
+UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "truncation_side": (),
+    "logprob_token_ids": ([],),
+    "return_token_ids": (False,),
+    "prompt_embeds": (),
+    "kv_transfer_params": ({},),
+    "vllm_xargs": ({},),
+    "repetition_detection": (),
+    "thinking_token_budget": (),
+    "mm_processor_kwargs": ({},),
+}
+UNHONOURED_IN_CHAT: dict[str, tuple[Any, ...]] = {
+    "echo": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "documents": ([],),
+    "functions": ([],),
+    "function_call": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "web_search_options": (),
+}
+
+
+def refuse_unhonoured(data: dict[str, Any], chat: bool) -> None:
+    """400 naming the first field of ``UNHONOURED`` (and, for chat, ``UNHONOURED_IN_CHAT``)
+    that asks for something (null, or its value that asks for nothing, is accepted)."""
+    table = {**UNHONOURED, **UNHONOURED_IN_CHAT} if chat else UNHONOURED
+    for field, neutral in table.items():
+        value = data.get(field)
+        if value is not None and value not in neutral:
+            raise InvalidRequestError(
+                f"{field}: not supported by this server (give it unset or null)", field
+            )
 
 
 def validate(model: type[M], data: dict[str, Any]) -> M:

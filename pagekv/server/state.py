@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagekv.engine.llm_engine import LLMEngine
+from pagekv.errors import InvalidRequestError
 from pagekv.server.clients import ClientLedger
 from pagekv.server.engine_loop import EngineLoop
 from pagekv.server.errors import ModelNotFoundError
@@ -43,6 +44,7 @@ class ServerState:
     namer: TokenNamer
     clients: ClientLedger
     hash_secret: bytes
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests' priority counts
 
     @classmethod
     def create(
@@ -70,12 +72,22 @@ class ServerState:
             namer=TokenNamer(lambda ids: tokenizer.decode(ids, skip_special_tokens=False)),
             clients=ClientLedger(config.client_limits),
             hash_secret=os.urandom(16),
+            priority_scheduling=engine.config.scheduling_policy == "priority",
         )
 
     @property
     def defaults(self) -> dict[str, float]:
         """What unset sampling fields take (``--generation-config``), by field name."""
         return dict(self.config.sampling_defaults)
+
+    def check_priority(self, priority: int) -> None:
+        """As vLLM: a priority other than 0 needs the priority policy."""
+        if priority != 0 and not self.priority_scheduling:
+            raise InvalidRequestError(
+                "priority: this server does not schedule by priority (--scheduling-policy "
+                "priority)",
+                "priority",
+            )
 
     def shown_hash(self, block_hash: str) -> str:
         """A prefix block's hash (hex) as this server shows it: keyed by its secret, so equal

@@ -250,3 +250,13 @@ def test_access_log_has_a_line_for_each_response_errors_included(
     assert '"GET /missing HTTP/1.1" 404 Not Found' in lines[1]
     assert '"GET /boom HTTP/1.1" 500 Internal Server Error' in lines[2]
     assert all(line.endswith(" ms") for line in lines)
+
+
+def test_engine_requests_pass_priority_and_cache_salt_only_when_given() -> None:
+    from pagekv.sampling_params import SamplingParams
+    from pagekv.server.engine_loop import EngineRequest
+
+    params = SamplingParams()
+    assert EngineRequest("a", [1], params).options() == {}
+    given = EngineRequest("a", [1], params, "c", priority=-2, cache_salt="tenant")
+    assert given.options() == {"priority": -2, "cache_salt": "tenant"}

@@ -407,3 +407,44 @@ def test_responses_refuse_what_is_not_text(
     res = server.post("/v1/responses", {"model": "alpha", **body})
     assert res.status_code == 400, res.text
     assert res.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/completions", "use_beam_search", True),
+        ("/v1/completions", "spaces_between_special_tokens", False),
+        ("/v1/completions", "truncate_prompt_tokens", 4),
+        ("/v1/completions", "priority", 5),  # this server schedules fairly, not by priority
+        ("/v1/chat/completions", "echo", True),
+        ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),
+        ("/v1/chat/completions", "functions", [{"name": "f"}]),
+        ("/v1/chat/completions", "modalities", ["text", "audio"]),
+    ],
+)
+def test_vllm_fields_not_honoured_are_refused_by_name(
+    server: ServerProcess, path: str, field: str, value: Any
+) -> None:
+    body: dict[str, Any] = {"model": "alpha", "max_tokens": 2}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = "Hi"
+    refused = server.post(path, {**body, field: value})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    neutral = {"use_beam_search": False, "priority": 0, "modalities": ["text"]}.get(field)
+    assert server.post(path, {**body, field: neutral}).status_code == 200
+
+
+def test_cache_salt_keeps_prefix_blocks_apart(server: ServerProcess) -> None:
+    prompt = "A long shared preamble about the history of Paris and its bridges. " * 6
+    body = {"model": "alpha", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+
+    def cached(**extra: Any) -> int:
+        usage = server.post("/v1/completions", {**body, **extra}).json()["usage"]
+        return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+    cached()
+    assert cached() > 0  # the same prompt again: its full blocks are found
+    assert cached(cache_salt="tenant-a") == 0  # another salt: nothing shared
+    assert cached(cache_salt="tenant-a") > 0
