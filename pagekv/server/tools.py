@@ -5,7 +5,8 @@ the model's answer into OpenAI ``tool_calls``.
 with text or with calls in the tagged form the prompt describes, ``<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>``), ``required`` (the output is constrained to a JSON array of
 one or more calls of the given tools) or a named function (the output is constrained to that
-function's arguments). ``split`` turns the text into content and calls. The tags come from
+function's arguments; so ``strict`` tools are refused under ``auto``, which cannot hold a call
+to its schema). ``split`` turns the text into content and calls. The tags come from
 the tokenizer (``Tokenizer.tool_call_tags``), which describes the tools to the model.
 """
 
@@ -38,6 +39,18 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
+def _refuse_strict(definitions: tuple[dict[str, Any], ...]) -> None:
+    """``strict`` arguments cannot be kept under ``auto``: its calls are parsed from free text."""
+    for i, d in enumerate(definitions):
+        if d["function"].get("strict"):
+            field = f"tools[{i}].function.strict"
+            raise InvalidRequestError(
+                f"{field}: with tool_choice auto calls are parsed from free text, not held to "
+                "their schema; use tool_choice required or a named function for strict calls",
+                field,
+            )
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     mode: Mode
@@ -58,6 +71,8 @@ class ToolPlan:
         if isinstance(choice, str):
             if choice != "none" and not definitions:
                 raise InvalidRequestError(f"tool_choice: {choice!r} needs tools", "tool_choice")
+            if choice == "auto":
+                _refuse_strict(definitions)
             kept = definitions if choice != "none" else ()
             return cls(choice, kept, None, parallel, tags)  # type: ignore[arg-type]
         name = choice.function.name

@@ -448,3 +448,26 @@ def test_cache_salt_keeps_prefix_blocks_apart(server: ServerProcess) -> None:
     assert cached() > 0  # the same prompt again: its full blocks are found
     assert cached(cache_salt="tenant-a") == 0  # another salt: nothing shared
     assert cached(cache_salt="tenant-a") > 0
+
+
+def test_strict_tools_are_refused_where_calls_are_not_constrained(server: ServerProcess) -> None:
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "strict": True,
+        },
+    }
+    body = {
+        "model": "alpha",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "max_tokens": 24,
+    }
+    refused = server.post("/v1/chat/completions", {**body, "tools": [tool]})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "tools[0].function.strict"
+    constrained = server.post(
+        "/v1/chat/completions", {**body, "tools": [tool], "tool_choice": "required"}
+    )
+    assert constrained.status_code == 200
