@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -25,6 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from pagekv.engine.llm_engine import LLMEngine
 from pagekv.errors import InvalidRequestError, PagekvError
 from pagekv.server.access_log import AccessLog
+from pagekv.server.engine_loop import EngineLoop
 from pagekv.server.errors import (
     EngineDeadError,
     MethodNotAllowedError,
@@ -33,11 +34,14 @@ from pagekv.server.errors import (
 )
 from pagekv.server.handling import require_api_key, state_of
 from pagekv.server.kv_page import render_kv_page
+from pagekv.server.metrics import Metrics
 from pagekv.server.openai_api import router
 from pagekv.server.responses_api import responses_router
 from pagekv.server.state import ServerState
 from pagekv.server.stats_log import log_stats
 from pagekv.server.utility_api import utility_router
+
+METRICS_WAIT_S = 1.0  # how long /metrics waits for the engine's step boundary
 
 logger = logging.getLogger("pagekv.server")
 
@@ -128,8 +132,25 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     state = state_of(request)
-    stats = await state.loop.call(LLMEngine.stats)
+    stats = await stats_for_scrape(state.loop, state.metrics)
     return Response(state.metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+async def stats_for_scrape(
+    loop: EngineLoop, metrics: Metrics, wait_s: float = METRICS_WAIT_S
+) -> Mapping[str, Any]:
+    """The engine's numbers as of its next step boundary; if a long step (a deep prefill) holds
+    that up past ``wait_s``, the previous scrape's engine numbers (the counters the HTTP side
+    keeps are current either way), so a scraper's timeout never fails a scrape."""
+    fresh = asyncio.ensure_future(loop.call(lambda engine: engine.stats()))
+    fresh.add_done_callback(lambda f: f.cancelled() or f.exception())  # a late error: seen
+    latest = metrics.latest_stats
+    if latest is None:
+        return await fresh
+    try:
+        return await asyncio.wait_for(asyncio.shield(fresh), wait_s)
+    except TimeoutError:
+        return latest
 
 
 async def kv_page(request: Request) -> Response:

@@ -180,6 +180,11 @@ class Metrics:
     def error(self, status: int) -> None:
         self.errors.labels(status=str(status)).inc()
 
+    @property
+    def latest_stats(self) -> Mapping[str, Any] | None:
+        """The engine snapshot the last exposition showed (None before the first)."""
+        return self.engine_stats.snapshot or None
+
     def exposition(self, stats: Mapping[str, Any]) -> bytes:
         """The Prometheus text format, with ``stats`` as the engine's current snapshot."""
         self.engine_stats.snapshot = dict(stats)

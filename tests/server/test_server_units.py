@@ -21,6 +21,7 @@ from pagekv.engine.outputs import CompletionOutput, RequestOutput
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 from pagekv.models.loader import LoadedModel
 from pagekv.sampling_params import SamplingParams
+from pagekv.server.app import stats_for_scrape
 from pagekv.server.engine_loop import EngineLoop, EngineRequest
 from pagekv.server.errors import (
     AuthenticationError,
@@ -181,6 +182,33 @@ def test_abort_reaches_the_engine_within_one_step() -> None:
     assert steps_before_abort <= requested_at[0] + 1  # the step running then, no more
     assert engine.steps == steps_before_abort
     assert "pagekv_request_aborted_total 1.0" in metrics.exposition({}).decode()
+
+
+def test_a_scrape_during_a_long_step_shows_the_previous_engine_numbers() -> None:
+    """/metrics waits for a step boundary at most METRICS_WAIT_S once it has numbers to show."""
+    engine = FakeEngine(step_s=1.5)
+    metrics = Metrics()
+    waits: list[float] = []
+
+    async def body(loop: EngineLoop) -> None:
+        first = await stats_for_scrape(loop, metrics, wait_s=0.2)  # nothing shown yet: waits
+        metrics.exposition(first)
+        await loop.add([req("a", max_tokens=3)])
+        await asyncio.sleep(0.1)  # the engine is inside a step now
+        started = time.monotonic()
+        stale = await stats_for_scrape(loop, metrics, wait_s=0.2)
+        waits.append(time.monotonic() - started)
+        assert stale == first and stale["num_waiting"] == 0
+        fresh = await stats_for_scrape(loop, metrics, wait_s=10.0)
+        assert fresh["num_waiting"] == 1
+
+    loop = EngineLoop(cast(LLMEngine, engine), metrics, 100)
+    loop.start()
+    try:
+        asyncio.run(body(loop))
+    finally:
+        loop.stop()
+    assert waits[0] < 1.0  # not the 1.5 s step
 
 
 def test_a_bad_prompt_adds_none_of_the_batch_and_a_full_queue_is_429() -> None:
