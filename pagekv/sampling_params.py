@@ -15,6 +15,7 @@ the nearest value that float32 holds and that means the same thing (see ``MIN_TO
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import numbers
@@ -68,13 +69,9 @@ def _is_number(value: object) -> bool:
 def _is_text(value: object) -> bool:
     """A string that is valid Unicode (no lone surrogate such as "\\ud800", which no tokenizer
     or UTF-8 encoder takes)."""
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return isinstance(value, str) and value.encode("utf-8", "surrogatepass") == value.encode(
+        "utf-8", "replace"
+    )
 
 
 def check_text(value: str, param: str) -> None:
@@ -186,7 +183,7 @@ class StructuredOutputsParams:
         return self.kind, str(value)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request.
 
@@ -264,10 +261,10 @@ class SamplingParams:
             set_field(self, "allowed_token_ids", allowed)
         if self.logit_bias is not None:
             set_field(self, "logit_bias", _logit_bias(self.logit_bias))
+        set_field(self, "until_context", self.max_tokens is None)
         if self.max_tokens is None:
-            set_field(self, "until_context", True)
             set_field(self, "max_tokens", UNTIL_CONTEXT_MAX_TOKENS)
-        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's "disabled"
+        if _is_int(self.top_k) and self.top_k in (-1, 0):  # vLLM's "disabled" (0 since 0.10)
             set_field(self, "top_k", None)
         self._validate()
         # float32 stand-ins for values it cannot hold (the module docstring says why)
@@ -278,6 +275,23 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             set_field(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
         set_field(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))  # unique, in order
+        set_field(self, "_validated", True)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Set after construction (vLLM's ``params.max_tokens = 100``): validated as a new
+        object; a bad value raises and changes nothing."""
+        if not self.__dict__.get("_validated", False):  # __init__ filling the fields
+            return object.__setattr__(self, name, value)
+        if name not in {f.name for f in fields(self) if f.init}:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+        keep: dict[str, Any] = {"max_tokens": None} if self.until_context else {}  # as given
+        self.__dict__.update(replace(self, **{**keep, name: value}).__dict__)
+
+    def clone(self) -> SamplingParams:
+        """A copy that assignments to these params leave alone (vLLM's name)."""
+        copied = copy.copy(self)
+        copied.__dict__["logit_bias"] = self.logit_bias and dict(self.logit_bias)
+        return copied
 
     def fit_to_context(self, room_tokens: int) -> SamplingParams:
         """These params for a prompt that leaves ``room_tokens`` of context: with
@@ -334,7 +348,7 @@ class SamplingParams:
             _check(
                 _is_int(self.top_k) and self.top_k >= 1,
                 "top_k",
-                f"must be None, -1 or an integer >= 1, got {self.top_k!r}",
+                f"must be None, -1 or 0 (no limit), or an integer >= 1, got {self.top_k!r}",
             )
         _check(
             _is_finite(self.min_p) and 0 <= self.min_p <= 1,

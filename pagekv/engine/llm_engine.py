@@ -191,6 +191,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params: a SamplingParams, got {params!r:.80}", "params")
+        params = params.clone()  # the caller may change theirs later (vLLM's params are mutable)
         self._check_new_id(request_id)
         vocab_size = self.loaded.config.vocab_size
         text, ids = tokenize_prompt(self.tokenizer, vocab_size, prompt)

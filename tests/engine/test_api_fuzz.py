@@ -103,7 +103,7 @@ def test_sampling_params_raise_only_pagekv_errors(kwargs: dict[str, Any]) -> Non
     assert all(type(t) is int and t >= 0 for t in params.stop_token_ids)
     assert MIN_TOP_P <= params.top_p <= 1 and 1 <= params.num_branches <= MAX_N
     assert math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0
-    hash(params)
+    assert params.clone() == params  # and a copy of it is the same params
 
 
 @pytest.fixture(scope="module")

@@ -92,7 +92,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(llm: LLM) -> None:
         ({"repetition_penalty": 10**400}, "repetition_penalty"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"n": 0}, "n"),
         ({"seed": 2**64}, "seed"),  # beyond what a torch.Generator takes: it failed mid-step
         ({"seed": -(2**63) - 1}, "seed"),
@@ -286,3 +286,31 @@ def test_max_model_len_beyond_the_context_is_capped_with_a_warning(
     with caplog.at_level("WARNING", logger="pagekv"):
         engine = LLMEngine(EngineConfig(num_kv_blocks=16, max_model_len=512), loaded)
     assert engine.max_model_len == 512 and "max_model_len" not in caplog.text
+
+
+def test_params_set_after_construction_are_validated_as_new_ones() -> None:
+    """vLLM's examples set fields on a made SamplingParams; a bad value changes nothing."""
+    params = SamplingParams(max_tokens=None, top_k=0)  # 0: vLLM's "no limit", as -1
+    assert params.top_k is None and params.until_context
+    params.temperature = 0.5
+    assert params.temperature == 0.5 and params.until_context  # still until the context ends
+    params.max_tokens = 7
+    assert params.max_tokens == 7 and not params.until_context
+    params.stop = "END"  # normalized as the constructor does
+    assert params.stop == ("END",)
+    with pytest.raises(InvalidRequestError) as info:
+        params.top_p = 1.5
+    assert info.value.param == "top_p" and params.top_p == 1.0
+    with pytest.raises(AttributeError):
+        params.max_token = 5  # type: ignore[attr-defined]  # a typo is not a new field
+
+
+def test_params_changed_after_generate_leave_the_request_alone(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    engine = llm.engine
+    engine.add_request("mutated", "The capital of France is", params)
+    params.max_tokens = 1
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert len(outs[0].outputs[0].token_ids) == 4
