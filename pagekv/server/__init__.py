@@ -11,7 +11,9 @@ queue and read results from per-request ``OutputStream``s fed with
 Modules: ``settings`` (ServerConfig), ``errors`` (exception -> HTTP status table), ``streams``
 (bounded coalescing output queue), ``engine_loop`` (the thread), ``metrics`` (Prometheus),
 ``protocol`` (request bodies), ``formats`` (response bodies), ``openai_api`` (the /v1 routes),
-``app`` (the FastAPI app), ``kv_page`` and ``kv_png`` (the block map), ``serve`` (uvicorn).
+``worker_api`` (the routes a router calls: load, server info, a generation probe, cache
+flush), ``app`` (the FastAPI app), ``kv_page`` and ``kv_png`` (the block map), ``serve``
+(uvicorn).
 """
 
 from pagekv.server.settings import ServerConfig

@@ -40,6 +40,7 @@ from pagekv.server.responses_api import responses_router
 from pagekv.server.state import ServerState
 from pagekv.server.stats_log import log_stats
 from pagekv.server.utility_api import utility_router
+from pagekv.server.worker_api import worker_router
 
 METRICS_WAIT_S = 1.0  # how long /metrics waits for the engine's step boundary
 
@@ -59,6 +60,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(router)
     app.include_router(responses_router)
     app.include_router(utility_router)
+    app.include_router(worker_router)
     keyed = [Depends(require_api_key)]
     app.add_api_route("/health", health, methods=["GET"])
     metrics_keyed = keyed if state.config.metrics_require_key else []

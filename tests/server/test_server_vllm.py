@@ -471,3 +471,45 @@ def test_strict_tools_are_refused_where_calls_are_not_constrained(server: Server
         "/v1/chat/completions", {**body, "tools": [tool], "tool_choice": "required"}
     )
     assert constrained.status_code == 200
+
+
+# ---- the routes a router calls on its workers (vllm-router 0.1.17's shapes) ------------------
+
+
+def test_a_router_reads_load_server_and_model_info_without_a_key(server: ServerProcess) -> None:
+    load = httpx.get(server.url + "/get_load", timeout=30).json()
+    assert load["load"] == load["num_running"] + load["num_waiting"] + load["num_swapped"] >= 0
+    info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+    assert info["model_id"] == "alpha" and info["served_model_names"] == ["alpha", "beta"]
+    assert info["kv_block_size"] == 16 and info["num_kv_blocks"] == 256
+    model = httpx.get(server.url + "/get_model_info", timeout=30).json()
+    assert model["is_generation"] is True and model["model_path"] == info["model_path"]
+    assert model["max_model_len"] == info["max_model_len"] > 0
+
+
+def test_load_counts_the_requests_in_the_engine(server: ServerProcess) -> None:
+    """A long stream in flight is one request of load; when it ends, none."""
+    body = {"model": "alpha", "prompt": "Count slowly:", "max_tokens": 400, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as res:
+        lines = res.iter_lines()
+        next(line for line in lines if line.startswith("data:"))  # it runs
+        assert httpx.get(server.url + "/get_load", timeout=30).json()["load"] == 1
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/get_load", timeout=30).json()["load"] != 0:
+        assert time.monotonic() < deadline, "the stream left by its client was never aborted"
+        time.sleep(0.1)
+
+
+def test_health_generate_runs_a_token_through_the_engine(server: ServerProcess) -> None:
+    res = httpx.get(server.url + "/health_generate", timeout=60)
+    assert res.status_code == 200 and res.json() == {"status": "ok", "num_tokens": 1}
+
+
+def test_flush_cache_forgets_cached_blocks_and_needs_the_key(server: ServerProcess) -> None:
+    prompt = "A long shared prefix for the flush test. " * 8
+    server.post("/v1/completions", {"model": "alpha", "prompt": prompt, "max_tokens": 1})
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 401
+    flushed = server.post("/flush_cache", {})
+    assert flushed.status_code == 200 and flushed.json()["flushed_blocks"] >= 4
+    assert server.post("/flush_cache", {}).json()["flushed_blocks"] == 0
