@@ -108,20 +108,17 @@ class Branch:
         is_stop_token = finished and self.request.status is RequestStatus.FINISHED_STOPPED
         skip_text = is_stop_token and not params.include_stop_str_in_output
         delta = "" if skip_text else self.detok.append(token.token_id)
+        stop = self.detok.find_stop(params.stop, len(delta)) if delta else None
+        if stop is not None:  # also in the token that ends it otherwise (its last, by length)
+            text, at = stop
+            self.detok.truncate(at + len(text) if params.include_stop_str_in_output else at)
+            out.stop_reason = text
         out.text = self.detok.text
         if finished:
-            out.finish_reason = FINISH_REASON[self.request.status]
-            if token.token_id in params.stop_token_ids:
+            out.finish_reason = "stop" if stop is not None else FINISH_REASON[self.request.status]
+            if stop is None and token.token_id in params.stop_token_ids:
                 out.stop_reason = token.token_id
-            return False
-        stop = self.detok.find_stop(params.stop, len(delta)) if delta else None
-        if stop is None:
-            return False
-        text, at = stop
-        self.detok.truncate(at + len(text) if params.include_stop_str_in_output else at)
-        out.text = self.detok.text
-        out.stop_reason = text
-        return True
+        return stop is not None and not finished
 
 
 def bad_words_token_ids(

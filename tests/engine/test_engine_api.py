@@ -314,3 +314,15 @@ def test_params_changed_after_generate_leave_the_request_alone(llm: LLM) -> None
     while engine.has_unfinished_requests():
         outs += [o for o in engine.step() if o.finished]
     assert len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_a_stop_string_in_the_last_token_allowed_is_cut_and_named(llm: LLM) -> None:
+    """The token that reaches max_tokens may hold a stop string: cut there, finish "stop"."""
+    free = llm.generate("The capital of France is", GREEDY, use_tqdm=False)[0].outputs[0]
+    decode = llm.get_tokenizer().decode
+    texts = [decode(free.token_ids[:k]) for k in range(len(free.token_ids) + 1)]
+    k = next(k for k in range(2, len(texts)) if texts[k][len(texts[k - 1]) :] not in texts[k - 1])
+    stop = texts[k][len(texts[k - 1]) :]  # token k's text, first seen there
+    params = SamplingParams(temperature=0, max_tokens=k, stop=[stop])
+    out = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", stop, texts[k - 1])
