@@ -55,6 +55,9 @@ class BlockPool:
         # Told (block, hash) just before an EVICTABLE block is reused, while its K/V is intact:
         # the tier manager's chance to write it back to a lower tier (kv_cache_manager.py).
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        # Told (hash, True) when a hash enters the index, (hash, False) when it leaves it: the
+        # KV event log's view of what this pool caches (kv_events.py).
+        self.on_hash_change: Callable[[BlockHash, bool], None] | None = None
 
     # ---- queries (pure) -------------------------------------------------------------------
 
@@ -204,6 +207,8 @@ class BlockPool:
             return False
         self._hash[block_id] = block_hash
         self._index[block_hash] = block_id
+        if self.on_hash_change is not None:
+            self.on_hash_change(block_hash, True)
         return True
 
     def discard(self, block_id: int) -> None:
@@ -229,6 +234,8 @@ class BlockPool:
             self._hash[block_id] = None
             if self._index.get(block_hash) == block_id:
                 del self._index[block_hash]
+                if self.on_hash_change is not None:
+                    self.on_hash_change(block_hash, False)
 
     def _check_id(self, block_id: int) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:

@@ -29,7 +29,7 @@ manager's host pins and swap-out queue (an offload is a swap-out of a hashed blo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from pagekv.core.block_pool import BlockHash, BlockPool
 from pagekv.core.block_table import NO_BLOCK, BlockTables, cdiv
@@ -83,6 +83,8 @@ class KVCacheManager:
         # The records this facade keeps, read by the invariant checks and the tests:
         self.tables = BlockTables()  # device and host tables
         self.pending = PendingTransfers(self.pool, self.host_pool, self._tiers)  # pins, moves
+        # Told (chain, first new index, tokens) as an unsalted hash chain grows (kv_events.py).
+        self.on_chain: Callable[[list[BlockHash], int, list[int]], None] | None = None
 
     # ---- queries --------------------------------------------------------------------------------
 
@@ -159,8 +161,10 @@ class KVCacheManager:
         """The request's hash chain, extended to cover at least ``num_blocks`` full blocks."""
         chain = request.block_hashes
         if len(chain) < num_blocks:
-            tokens = request.all_token_ids[: num_blocks * self.block_size]
+            tokens, start = request.all_token_ids[: num_blocks * self.block_size], len(chain)
             extend_hash_chain(chain, tokens, self.block_size, request.cache_salt)
+            if self.on_chain is not None and request.cache_salt is None:
+                self.on_chain(chain, start, tokens)
         return chain
 
     def _find_hits(self, request: Request) -> list[Hit]:

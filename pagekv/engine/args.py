@@ -218,6 +218,13 @@ def _add_tier_options(t: argparse._ArgumentGroup) -> None:
         "records in a shared store are refused; engines share records only with the same one",
     )
     t.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KVEventsConfig as JSON: publish where prefix blocks live (device pool, "
+        'host cache, storage) for a KV-aware router, e.g. \'{"enable_kv_cache_events": true, '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
+    )
+    t.add_argument(
         "--kv-store-required",
         action="store_true",
         help="fail at start-up if the store is unreachable (default: warn, run without it)",

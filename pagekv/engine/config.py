@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagekv.core.scheduler import PreemptionCostModel, PreemptionMode, SchedulingPolicy
 from pagekv.core.tier_policy import WritePolicy
 from pagekv.engine import vllm_forms
+from pagekv.engine.kv_events import KVEventsConfig
 from pagekv.errors import InvalidRequestError
 from pagekv.models.config import ModelConfig
 from pagekv.sampling_params import MAX_LOGPROBS
@@ -113,6 +115,9 @@ class EngineConfig:
     # a shared store's forged records are refused. None: a CRC32 only, as before. Engines
     # sharing a store read each other's records only with the same secret (or both none).
     kv_store_secret: str | None = field(default=None, repr=False)
+    # vLLM's KVEventsConfig (its JSON, a dict, or the object): publish where prefix blocks live
+    # (device pool, host cache, storage) for a KV-aware router (engine/kv_events.py)
+    kv_events_config: KVEventsConfig | Mapping[str, Any] | str | None = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # or vLLM's human-readable form: "8k", "2K"
@@ -173,6 +178,9 @@ class EngineConfig:
             self.max_num_batched_tokens, "max_num_batched_tokens"
         )
         object.__setattr__(self, "max_num_batched_tokens", batched)
+        if self.kv_events_config is not None:
+            events = KVEventsConfig.parse(self.kv_events_config)
+            object.__setattr__(self, "kv_events_config", events)
 
     def _check_vllm_arguments(self) -> None:
         vllm_forms.check_kv_cache_dtype(self.kv_cache_dtype, self.dtype)

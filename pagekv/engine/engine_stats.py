@@ -51,3 +51,15 @@ def engine_stats(
         "num_swapped": len(scheduler.swapped),
         "steps": scheduler.step,
     }
+
+
+def capacity_line(num_blocks: int, block_bytes: int, block_size: int, max_model_len: int) -> str:
+    """The start-up line on KV capacity: blocks, tokens, bytes, concurrency at full context."""
+    tokens = num_blocks * block_size
+    per_token = block_bytes // block_size
+    concurrency = tokens / max_model_len
+    return (
+        f"KV cache: {num_blocks} blocks x {block_size} tokens = {tokens} tokens "
+        f"({num_blocks * block_bytes / 2**30:.2f} GiB, {per_token / 1024:.1f} KiB per token); "
+        f"max concurrency at {max_model_len} tokens per request: {concurrency:.2f}x"
+    )

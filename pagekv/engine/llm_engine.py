@@ -39,7 +39,8 @@ from pagekv.engine.config import (
 )
 from pagekv.engine.detokenizer import TokenTexts
 from pagekv.engine.device import gpu_kv_bytes, resolve_device
-from pagekv.engine.engine_stats import engine_stats
+from pagekv.engine.engine_stats import capacity_line, engine_stats
+from pagekv.engine.kv_events import start_kv_events
 from pagekv.engine.model_setup import int8_activations, load_configured_model
 from pagekv.engine.outputs import FINISH_ERROR, RequestOutput
 from pagekv.engine.prompts import PromptInput, check_token_ids, tokenize_prompt
@@ -146,6 +147,7 @@ class LLMEngine:
             self.kv.tier_state.verify_host = self.tiers.verify_host
             self.kv.tier_state.write_storage = self.tiers.store is not None
             weakref.finalize(self, self.tiers.close)  # flush writes even if close() is forgotten
+        self.kv_events = start_kv_events(config.kv_events_config, self.kv, self.tiers)
         sched_cfg = _scheduler_config(config, self.max_model_len, load_cost)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self._groups: dict[str, RequestGroup] = {}
@@ -158,21 +160,12 @@ class LLMEngine:
         self._beam_results: dict[str, BeamSearchOutput] = {}
         self.sanitizer = KVSanitizer(self.kv, self.runner.kv) if config.kv_sanitizer else None
         self._block_bytes = block_bytes
-        self.capacity_line = self._capacity_line(num_blocks, block_bytes)
+        self.capacity_line = capacity_line(
+            num_blocks, block_bytes, config.block_size, self.max_model_len
+        )
         self.system_line = self.runner.system_line  # the CPU and the kernels in use
         logger.info(self.system_line)
         logger.info(self.capacity_line)
-
-    def _capacity_line(self, num_blocks: int, block_bytes: int) -> str:
-        bs = self.config.block_size
-        tokens = num_blocks * bs
-        per_token = block_bytes // bs
-        concurrency = tokens / self.max_model_len
-        return (
-            f"KV cache: {num_blocks} blocks x {bs} tokens = {tokens} tokens "
-            f"({num_blocks * block_bytes / 2**30:.2f} GiB, {per_token / 1024:.1f} KiB per token); "
-            f"max concurrency at {self.max_model_len} tokens per request: {concurrency:.2f}x"
-        )
 
     # ---- requests in ----------------------------------------------------------------------------
 
@@ -285,7 +278,9 @@ class LLMEngine:
         """Forget every cached block no request holds (device and host pools; the storage tier
         keeps its copies). Returns how many; blocks in use stay. A benchmark calls this so a
         repeated pass does not hit the previous pass's prompts."""
-        return self.kv.reset_prefix_cache()
+        num = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        return num
 
     # ---- one step -------------------------------------------------------------------------------
 
@@ -324,6 +319,7 @@ class LLMEngine:
         for beam_output in self.beams.finish_ready():
             self._beam_results[beam_output.request_id] = beam_output
         outputs = [g.to_output() for g in changed.values()]
+        self._publish_kv_events()  # after the frees: a finished request's blocks stay cached
         for group in changed.values():
             if group.finished:
                 self._forget(group)
@@ -424,8 +420,18 @@ class LLMEngine:
             self.runner.release(rid)
             self.structured.release(rid)
 
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish()
+
+    def kv_event_sources(self) -> dict[str, dict[str, Any]]:
+        """Where this engine publishes KV events (vLLM's GET /kv_event_sources); {} if off."""
+        return {} if self.kv_events is None else self.kv_events.sources()
+
     def close(self) -> None:
         """Finish writing to the storage tier and the trace; let go of the store. Idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.tiers is not None:
             self.tiers.close()
         if self.trace is not None:

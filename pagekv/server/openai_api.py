@@ -3,7 +3,8 @@
 Each handler validates its body (protocol.py), fills unset sampling fields from the server's
 defaults (``--generation-config``), builds one ``EngineRequest`` per prompt and leaves the rest
 to ``handling.py`` (admission, the engine thread, a client that leaves) and ``sse.py``.
-Completions with ``echo`` or ``prompt_logprobs`` are answered by ``scoring.py``.
+Completions with ``echo`` or ``prompt_logprobs`` are answered by ``scoring.py``. The render
+routes answer with the token ids a request would feed the engine (a router's input).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -37,6 +39,7 @@ from pagekv.server.handling import (
 from pagekv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    PromptInput,
     chat_logprobs,
     chat_max_tokens,
     chat_messages,
@@ -83,8 +86,19 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
     return model_card(state, model_id)
 
 
-@router.post("/completions")
-async def create_completion(request: Request) -> Response:
+@dataclass(frozen=True)
+class _Prepared:
+    """A generation request validated, with its prompts as the token ids the engine is fed."""
+
+    req: CompletionRequest | ChatCompletionRequest
+    params: SamplingParams
+    prompts: list[PromptInput]
+    ids: list[list[int]]
+    field: str | None  # the structured-output field that constrains it, if any
+    tools: ToolPlan | None = None
+
+
+async def _prepare_completion(request: Request) -> _Prepared:
     state = state_of(request)
     data = await read_json(request)
     refuse_unhonoured(data, chat=False)
@@ -98,13 +112,22 @@ async def create_completion(request: Request) -> Response:
     params = sampling_params(req, max_tokens, req.logprobs, state.config.max_n, constraint)
     prompts = completion_prompts(req, state.config.max_choices)
     ids = await asyncio.to_thread(tokenized, state, prompts, max_tokens, req.add_special_tokens)
-    ctx = _context(state, "cmpl", params, req)
     state.check_priority(req.priority)
+    return _Prepared(req, params, prompts, ids, field)
+
+
+@router.post("/completions")
+async def create_completion(request: Request) -> Response:
+    state = state_of(request)
+    prep = await _prepare_completion(request)
+    req, params, prompts = prep.req, prep.params, prep.prompts
+    assert isinstance(req, CompletionRequest)
+    ctx = _context(state, "cmpl", params, req)
     client = client_of(request)
     extra = (req.priority, req.cache_salt)
     requests = [
         EngineRequest(f"{ctx.response_id}-{i}", p, params, client, *extra)
-        for i, p in enumerate(ids)
+        for i, p in enumerate(prep.ids)
     ]
     scoring = None
     if req.echo or req.prompt_logprobs is not None:
@@ -112,12 +135,11 @@ async def create_completion(request: Request) -> Response:
         asked = req.prompt_logprobs is not None or (req.echo and req.logprobs is not None)
         shown = asked and not req.stream  # vLLM's chunks carry no prompt_logprobs
         scoring = PromptScoring(tuple(texts) if req.echo else None, shown)
-    reply = Reply(CompletionFormat(), ctx, req.stream, field, scoring)
+    reply = Reply(CompletionFormat(), ctx, req.stream, prep.field, scoring)
     return await _respond(request, reply, requests)
 
 
-@router.post("/chat/completions")
-async def create_chat_completion(request: Request) -> Response:
+async def _prepare_chat(request: Request) -> _Prepared:
     state = state_of(request)
     data = await read_json(request)
     refuse_unhonoured(data, chat=True)
@@ -153,16 +175,44 @@ async def create_chat_completion(request: Request) -> Response:
         room = max(1, state.context_tokens - len(prompt))
         max_tokens = min(room, int(state.defaults.get("max_tokens", room)))
     params = sampling_params(req, max_tokens, chat_logprobs(req), state.config.max_n, constraint)
-    (prompt,) = tokenized(state, [prompt], max_tokens)
-    ctx = _context(state, "chatcmpl", params, req)
+    ids = tokenized(state, [prompt], max_tokens)
     state.check_priority(req.priority)
+    return _Prepared(req, params, [prompt], ids, field, tools)
+
+
+@router.post("/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    state = state_of(request)
+    prep = await _prepare_chat(request)
+    req, params, tools = prep.req, prep.params, prep.tools
+    assert isinstance(req, ChatCompletionRequest) and tools is not None
+    ctx = _context(state, "chatcmpl", params, req)
     rid, client = f"{ctx.response_id}-0", client_of(request)
-    requests = [EngineRequest(rid, prompt, params, client, req.priority, req.cache_salt)]
+    requests = [EngineRequest(rid, prep.ids[0], params, client, req.priority, req.cache_salt)]
     fmt = ChatFormat(req.stream, tools if tools.active else None)
     scoring = None
     if req.prompt_logprobs is not None:
         scoring = PromptScoring(None, True, in_choices=False)
-    return await _respond(request, Reply(fmt, ctx, req.stream, field, scoring), requests)
+    return await _respond(request, Reply(fmt, ctx, req.stream, prep.field, scoring), requests)
+
+
+# ---- render: the token ids a request would feed the engine, without running it ----------------
+# vLLM's render routes, which vllm-router's cache_aware and kv_aware policies call on every
+# worker before they choose one: the ids of each prompt exactly as generation computes them
+# (same validation, template and special tokens), so the router hashes the blocks the engine
+# will. ``features`` is null: pagekv takes no multimodal input.
+
+
+@router.post("/completions/render")
+async def render_completion(request: Request) -> Response:
+    prep = await _prepare_completion(request)
+    return JSONResponse([{"token_ids": ids, "features": None} for ids in prep.ids])
+
+
+@router.post("/chat/completions/render")
+async def render_chat_completion(request: Request) -> Response:
+    prep = await _prepare_chat(request)
+    return JSONResponse({"token_ids": prep.ids[0], "features": None})
 
 
 async def _check_tool_schemas(state: ServerState, tools: ToolPlan) -> None:

@@ -5,7 +5,8 @@
 ``/get_model_info``: the served model, its KV block size and context (a router reads
 ``model_id`` and ``kv_block_size``). ``/health_generate``: a one-token greedy request through
 the engine, so a wedged engine fails it where ``/health`` (the thread is alive) would not.
-``/flush_cache``: forget every cached KV block no request holds (device and host pools; the
+``/kv_event_sources``: the engine's KV event publisher (``--kv-events-config``), which
+a ``kv_aware`` router subscribes to. ``/flush_cache``: forget every cached KV block no request holds (device and host pools; the
 storage tier keeps its copies); like every route that changes state it needs the API key when
 one is set. The read-only routes are open, as ``/health`` is: a router's probes carry no key.
 """
@@ -72,6 +73,12 @@ async def get_model_info(request: Request) -> Response:
             "max_model_len": facts["max_model_len"],
         }
     )
+
+
+@worker_router.get("/kv_event_sources")
+async def kv_event_sources(request: Request) -> Response:
+    """Where the engine publishes KV events, per rank (vLLM's shape); {} when it does not."""
+    return JSONResponse(await state_of(request).loop.call(lambda e: e.kv_event_sources()))
 
 
 @worker_router.post("/flush_cache", dependencies=[Depends(require_api_key)])

@@ -50,13 +50,13 @@ import logging
 import queue
 import threading
 import time
-import uuid
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pagekv.core.block_pool import BlockHash
 from pagekv.core.kv_cache_manager import KVCacheManager
+from pagekv.core.kv_events import KVEventLog
 from pagekv.core.plan import BlockTransfers
 from pagekv.tiering.blob import (
     CorruptBlockError,
@@ -67,6 +67,7 @@ from pagekv.tiering.blob import (
     secret_tag,
 )
 from pagekv.tiering.store import KVStore, KVStoreError
+from pagekv.tiering.store_probe import measure_store
 
 logger = logging.getLogger("pagekv")
 
@@ -134,6 +135,7 @@ class TierManager:
         self._known: set[BlockHash] = set()  # in the store, as far as this engine knows
         self._writing: set[BlockHash] = set()  # queued for the writer
         self._staged: dict[BlockHash, bytes] = {}  # prefetched, placed, awaiting its load
+        self.events = KVEventLog(kv.block_size)  # told what the store holds (the engine's)
         self._lock = threading.Lock()  # guards _known, _writing, stats, _down_until
         self._writes: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue(max_pending_writes)
         self._jobs: queue.Queue[_Prefetch | None] = queue.Queue()
@@ -276,6 +278,7 @@ class TierManager:
                 self.stats.storage_write_drops += len(batch)
                 return
             self._known.update(hashes)  # stored now, or someone stored it first
+            self.events.in_storage(hashes, True)
             for (_, payload), new in zip(batch, stored, strict=True):
                 if new:
                     self.stats.storage_written_blocks += 1
@@ -331,6 +334,7 @@ class TierManager:
             self.stats.storage_load_failures += 1
             self.stats.storage_refused_records += refused
             self._known.discard(block_hash)  # gone, or going: never skip writing it again
+            self.events.in_storage([block_hash], False)
             repeated = refused and self._refusal_logged
             self._refusal_logged |= refused
         if not refused:
@@ -360,6 +364,7 @@ class TierManager:
                 self._staged[block_hash] = payloads[block_hash]
             with self._lock:
                 self._known.update(payloads)
+                self.events.in_storage(list(payloads), True)
                 self.stats.storage_hit_blocks += len(job.payloads)
                 self.stats.storage_hit_bytes += sum(len(p) for p in payloads.values())
 
@@ -375,30 +380,9 @@ class TierManager:
     # ---- start-up and shutdown ---------------------------------------------------------------
 
     def measure(self, payload_bytes: int, repeats: int = 3) -> tuple[float, float]:
-        """Seconds of one store round trip and of fetching one block: (fixed, per block).
-
-        Writes one probe record of a block's size and reads it back ``repeats`` times; raises
-        ``KVStoreError`` if the store cannot be used.
-        """
-        store = self.store
-        assert store is not None
-        key = f"pagekv/probe/{self.fingerprint.hex()[:32]}/{uuid.uuid4().hex}"
-        record = encode(key, self.fingerprint, bytes(payload_bytes), self.secret)
-        store.put(key, record)
-        exists_s, get_s = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            store.batch_exists([key])
-            t1 = time.perf_counter()
-            blob = store.get(key)
-            t2 = time.perf_counter()
-            if blob is None:
-                raise CorruptBlockError("the probe record vanished right after it was written")
-            decode(blob, key, self.fingerprint, self.secret)
-            exists_s.append(t1 - t0)
-            get_s.append(t2 - t1)
-        store.remove(key)  # best effort: a store may hold it a while (Mooncake's read lease)
-        return sorted(exists_s)[repeats // 2], sorted(get_s)[repeats // 2]
+        """Seconds of one store round trip and of fetching one block (``store_probe.py``)."""
+        assert self.store is not None
+        return measure_store(self.store, self.fingerprint, self.secret, payload_bytes, repeats)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write has been tried; False on timeout."""
