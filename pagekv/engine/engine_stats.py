@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from pagekv.core.block_pool import BlockPool
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.scheduler import Scheduler
 from pagekv.runner.model_runner import ModelRunner
@@ -53,8 +54,9 @@ def engine_stats(
     }
 
 
-def capacity_line(num_blocks: int, block_bytes: int, block_size: int, max_model_len: int) -> str:
+def capacity_line(pool: BlockPool, block_bytes: int, max_model_len: int) -> str:
     """The start-up line on KV capacity: blocks, tokens, bytes, concurrency at full context."""
+    num_blocks, block_size = pool.num_blocks, pool.block_size
     tokens = num_blocks * block_size
     per_token = block_bytes // block_size
     concurrency = tokens / max_model_len

@@ -160,9 +160,7 @@ class LLMEngine:
         self._beam_results: dict[str, BeamSearchOutput] = {}
         self.sanitizer = KVSanitizer(self.kv, self.runner.kv) if config.kv_sanitizer else None
         self._block_bytes = block_bytes
-        self.capacity_line = capacity_line(
-            num_blocks, block_bytes, config.block_size, self.max_model_len
-        )
+        self.capacity_line = capacity_line(self.kv.pool, block_bytes, self.max_model_len)
         self.system_line = self.runner.system_line  # the CPU and the kernels in use
         logger.info(self.system_line)
         logger.info(self.capacity_line)

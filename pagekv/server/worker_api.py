@@ -6,9 +6,10 @@
 ``model_id`` and ``kv_block_size``). ``/health_generate``: a one-token greedy request through
 the engine, so a wedged engine fails it where ``/health`` (the thread is alive) would not.
 ``/kv_event_sources``: the engine's KV event publisher (``--kv-events-config``), which
-a ``kv_aware`` router subscribes to. ``/flush_cache``: forget every cached KV block no request holds (device and host pools; the
-storage tier keeps its copies); like every route that changes state it needs the API key when
-one is set. The read-only routes are open, as ``/health`` is: a router's probes carry no key.
+a ``kv_aware`` router subscribes to. ``/flush_cache``: forget every cached KV block no
+request holds (device and host pools; the storage tier keeps its copies); like every route
+that changes state it needs the API key when one is set. The read-only routes are open, as
+``/health`` is: a router's probes carry no key.
 """
 
 from __future__ import annotations

@@ -29,23 +29,30 @@ QUERIES = "vllm:prefix_cache_queries_total"
 REQUESTS = "vllm:request_success_total"
 
 
-def events_config() -> str:
-    """KV events on free ports of 127.0.0.1 (the replica names the bound ones)."""
+def events_config(ports: tuple[int, int] = (0, 0)) -> str:
+    """KV events on 127.0.0.1: (publisher, replay) ports; 0 binds a free one (the replica's
+    /kv_event_sources names it), a fixed pair lets a restarted replica keep its endpoints."""
     return json.dumps(
         {
             "enable_kv_cache_events": True,
-            "endpoint": "tcp://127.0.0.1:0",
-            "replay_endpoint": "tcp://127.0.0.1:0",
+            "endpoint": f"tcp://127.0.0.1:{ports[0]}",
+            "replay_endpoint": f"tcp://127.0.0.1:{ports[1]}",
         }
     )
 
 
-def start_replica(log_dir: Path, *args: str, store: Path | None = None) -> ServerProcess:
+def start_replica(
+    log_dir: Path,
+    *args: str,
+    store: Path | None = None,
+    port: int | None = None,
+    event_ports: tuple[int, int] = (0, 0),
+) -> ServerProcess:
     """One replica on one thread; with ``store``, a host cache and that shared file store."""
     tiers = ("--host-cache-memory", "64MiB", "--kv-store", f"file:{store}") if store else ()
-    return start_server(
-        log_dir, "--kv-events-config", events_config(), "--num-threads", "1", *tiers, *args
-    )
+    events = ("--kv-events-config", events_config(event_ports))
+    args = (*events, "--num-threads", "1", *tiers, *args)
+    return start_server(log_dir, *args, port=port)
 
 
 def counter(server: ServerProcess, name: str) -> float:

@@ -93,16 +93,19 @@ def free_port() -> int:
         return port
 
 
-def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> ServerProcess:
-    """A running server (``/health`` answered 200); fails with the log if it does not start."""
-    port = free_port()
+def start_server(
+    log_dir: Path, *args: str, api_key: str | None = None, port: int | None = None
+) -> ServerProcess:
+    """A running server (``/health`` answered 200); fails with the log if it does not start.
+    ``port``: where (a restart's); by default a free one."""
+    port = free_port() if port is None else port
     cmd = [sys.executable, "-m", "pagekv.cli", "serve", "--port", str(port), *args]
     if api_key is not None:
         cmd += ["--api-key", api_key]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log_path = log_dir / f"server-{port}.log"
-    with log_path.open("wb") as log:
+    with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path, api_key)
     deadline = time.monotonic() + START_TIMEOUT_S
