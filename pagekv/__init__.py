@@ -19,6 +19,7 @@ from pagekv.inputs import PromptType, TextPrompt, TokensPrompt
 from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from pagekv.engine.kv_events import KVEventsConfig
     from pagekv.engine.llm_engine import LLMEngine
     from pagekv.llm import LLM
 
@@ -28,6 +29,7 @@ __all__ = [
     "BeamSearchParams",
     "CompletionOutput",
     "InvalidRequestError",
+    "KVEventsConfig",
     "LLMEngine",
     "Logprob",
     "PagekvError",
@@ -46,6 +48,10 @@ def __getattr__(name: str) -> Any:
         from pagekv.llm import LLM
 
         return LLM
+    if name == "KVEventsConfig":  # vLLM's, for LLM(kv_events_config=...)
+        from pagekv.engine.kv_events import KVEventsConfig
+
+        return KVEventsConfig
     if name == "LLMEngine":
         from pagekv.engine.llm_engine import LLMEngine
 
