@@ -130,7 +130,7 @@ def totals(replicas: list[ServerProcess]) -> tuple[float, float, float]:
     )
 
 
-def run(shape: Shape, policy: str, store: Path | None, log_dir: Path) -> list[list[record.Cell]]:
+def run(shape: Shape, policy: str, store: str | None, log_dir: Path) -> list[list[record.Cell]]:
     args = ("--num-kv-blocks", str(shape.kv_blocks), "--host-cache-memory", "16MiB")
     replicas = [start_replica(log_dir, *args, store=store) for _ in range(shape.replicas)]
     router = start_router(log_dir, replicas, policy)
@@ -172,7 +172,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.stores:
             for policy in args.policies:
-                store = Path(tmp) / f"store-{policy}" if kind == "file" else None
+                store = f"file:{tmp}/store-{policy}" if kind == "file" else None
                 rows += run(shape, policy, store, Path(tmp))
     columns = ["store", "policy", "workload", "prefix hit rate", "storage hit blocks",
                "TTFT p50 ms", "TTFT p90 ms", "requests/s"]  # fmt: skip

@@ -40,12 +40,20 @@ from typing import Any
 import msgpack
 
 from pagekv.core.kv_cache_manager import KVCacheManager
-from pagekv.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventLog
+from pagekv.core.kv_events import (
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventLog,
+)
 from pagekv.errors import InvalidRequestError
 from pagekv.tiering.manager import TierManager
 
 logger = logging.getLogger("pagekv")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REMOTE_STORES = ("mooncake", "redis")  # pools outside the engine's machine (ownership: REMOTE)
 
 
 @dataclass(frozen=True)
@@ -117,8 +125,13 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher in (None, "zmq")
 
 
-def encode_event(event: KVEvent) -> dict[str, Any]:
-    """One event as vLLM's msgspec writes it: a map tagged with its ``type``."""
+def encode_event(event: KVEvent, storage_owner: str | None = None) -> dict[str, Any]:
+    """One event as vLLM's msgspec writes it: a map tagged with its ``type``. ``storage_owner``:
+    the pool a remote store is (Mooncake, Redis), named on its blocks with locality REMOTE, as
+    vLLM's offloading tiers say it (vllm-router weighs them by ``--kv-penalty-external``)."""
+    remote = {}
+    if storage_owner is not None and getattr(event, "medium", None) == MEDIUM_STORAGE:
+        remote = {"locality": "REMOTE", "ownership": storage_owner}
     if isinstance(event, BlockStored):
         return {
             "type": "BlockStored",
@@ -129,16 +142,19 @@ def encode_event(event: KVEvent) -> dict[str, Any]:
             "lora_id": None,
             "medium": event.medium,
             "lora_name": None,
+            **remote,
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
+        removed = {"type": "BlockRemoved", "block_hashes": event.block_hashes}
+        return {**removed, "medium": event.medium, **remote}
     assert isinstance(event, AllBlocksCleared)
     return {"type": "AllBlocksCleared"}
 
 
-def encode_batch(events: list[KVEvent], ts: float) -> bytes:
+def encode_batch(events: list[KVEvent], ts: float, storage_owner: str | None = None) -> bytes:
     """vLLM's ``EventBatch`` (array-like, the rank left out): ``[ts, [event, ...]]``."""
-    packed: bytes = msgpack.packb([ts, [encode_event(e) for e in events]], use_bin_type=True)
+    encoded = [encode_event(e, storage_owner) for e in events]
+    packed: bytes = msgpack.packb([ts, encoded], use_bin_type=True)
     return packed
 
 
@@ -152,9 +168,12 @@ def start_kv_events(
         return None
     log = KVEventLog(kv.block_size)
     log.attach(kv)
+    owner = None
     if tiers is not None:
         tiers.events = log
-    return KVEventPublisher(config, log)
+        store = tiers.store
+        owner = store.name if store is not None and store.name in REMOTE_STORES else None
+    return KVEventPublisher(config, log, owner)
 
 
 def _bindable(endpoint: str) -> str:
@@ -165,11 +184,14 @@ def _bindable(endpoint: str) -> str:
 class KVEventPublisher:
     """Takes the event log's events after each step and publishes them on a thread of its own."""
 
-    def __init__(self, config: KVEventsConfig, log: KVEventLog) -> None:
+    def __init__(
+        self, config: KVEventsConfig, log: KVEventLog, storage_owner: str | None = None
+    ) -> None:
         import zmq  # only an engine that publishes needs pyzmq loaded
 
         self.config = config
         self.log = log
+        self.storage_owner = storage_owner
         self.num_dropped_batches = 0
         self._queue: queue.Queue[tuple[float, list[KVEvent]] | None] = queue.Queue(
             config.max_queue_size
@@ -256,7 +278,7 @@ class KVEventPublisher:
             self._ctx.term()
 
     def _send(self, ts: float, events: list[KVEvent]) -> None:
-        payload = encode_batch(events, ts)
+        payload = encode_batch(events, ts, self.storage_owner)
         seq = self._seq
         self._seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))

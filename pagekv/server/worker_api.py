@@ -1,15 +1,15 @@
 """The routes a router calls on its workers, in the shapes vllm-router 0.1.17 reads them.
 
-``/get_load``: requests in the engine (running, waiting or swapped out), the number its
-``power_of_two`` policy compares (``{"load": N}``). ``/get_server_info`` and
-``/get_model_info``: the served model, its KV block size and context (a router reads
-``model_id`` and ``kv_block_size``). ``/health_generate``: a one-token greedy request through
-the engine, so a wedged engine fails it where ``/health`` (the thread is alive) would not.
-``/kv_event_sources``: the engine's KV event publisher (``--kv-events-config``), which
-a ``kv_aware`` router subscribes to. ``/flush_cache``: forget every cached KV block no
-request holds (device and host pools; the storage tier keeps its copies); like every route
-that changes state it needs the API key when one is set. The read-only routes are open, as
-``/health`` is: a router's probes carry no key.
+``/get_load`` (and ``/load``): requests in the engine (running, waiting or swapped out), the
+number its ``power_of_two`` policy compares (``{"load": N}``). ``/get_server_info``,
+``/server_info`` (vLLM's shape) and ``/get_model_info`` (``/model_info``): the served model,
+its KV block size and context (a router reads ``model_id`` and ``kv_block_size``).
+``/health_generate``: a one-token greedy request through the engine, so a wedged engine fails
+it where ``/health`` (the thread is alive) would not. ``/kv_event_sources``: the engine's KV
+event publisher (``--kv-events-config``), which a ``kv_aware`` router subscribes to.
+``/flush_cache``: forget every cached KV block no request holds (device and host pools; the
+storage tier keeps its copies); like every route that changes state it needs the API key when
+one is set. The read-only routes are open, as ``/health`` is: a router's probes carry no key.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def _facts(engine: LLMEngine) -> dict[str, Any]:
 
 
 @worker_router.get("/get_load")
+@worker_router.get("/load")
 async def get_load(request: Request) -> Response:
     return JSONResponse(await state_of(request).loop.call(_load))
 
@@ -61,7 +62,20 @@ async def get_server_info(request: Request) -> Response:
     )
 
 
+@worker_router.get("/server_info")
+async def server_info(request: Request) -> Response:
+    """vLLM's form (``vllm_config`` as JSON, the parts a router reads), beside the facts."""
+    state = state_of(request)
+    facts = await state.loop.call(_facts)
+    vllm_config = {
+        "model_config": {"model": state.model_name, "max_model_len": facts["max_model_len"]},
+        "cache_config": {"block_size": facts["kv_block_size"]},
+    }
+    return JSONResponse({"vllm_config": vllm_config, "model_id": state.model_name, **facts})
+
+
 @worker_router.get("/get_model_info")
+@worker_router.get("/model_info")
 async def get_model_info(request: Request) -> Response:
     state = state_of(request)
     facts = await state.loop.call(_facts)

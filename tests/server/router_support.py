@@ -44,12 +44,13 @@ def events_config(ports: tuple[int, int] = (0, 0)) -> str:
 def start_replica(
     log_dir: Path,
     *args: str,
-    store: Path | None = None,
+    store: str | None = None,
     port: int | None = None,
     event_ports: tuple[int, int] = (0, 0),
 ) -> ServerProcess:
-    """One replica on one thread; with ``store``, a host cache and that shared file store."""
-    tiers = ("--host-cache-memory", "64MiB", "--kv-store", f"file:{store}") if store else ()
+    """One replica on one thread; with ``store`` (a ``--kv-store`` spec), a host cache and that
+    store, shared with the replicas given the same spec."""
+    tiers = ("--host-cache-memory", "64MiB", "--kv-store", store) if store else ()
     events = ("--kv-events-config", events_config(event_ports))
     args = (*events, "--num-threads", "1", *tiers, *args)
     return start_server(log_dir, *args, port=port)
@@ -66,6 +67,13 @@ class Router:
     proc: subprocess.Popen[bytes]
     log_path: Path
     metrics_url: str
+
+    def kv_index_complaints(self) -> list[str]:
+        """The router's log lines on KV event batches it could not decode or would not apply
+        (the rejections are logged at debug level: ``start_router(..., debug=True)``)."""
+        signs = ("kv_index decode batch", "batch rejected", "unknown parent")
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line for line in lines if any(sign in line for sign in signs)]
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of the router's own Prometheus exporter."""
@@ -90,7 +98,11 @@ class Router:
 
 
 def start_router(
-    log_dir: Path, workers: list[ServerProcess], policy: str, port: int | None = None
+    log_dir: Path,
+    workers: list[ServerProcess],
+    policy: str,
+    port: int | None = None,
+    debug: bool = False,
 ) -> Router:
     """vllm-router in front of ``workers``; returns once every worker is healthy behind it.
 
@@ -106,7 +118,7 @@ def start_router(
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
         "--worker-startup-check-interval", "1",
         "--health-check-interval-secs", "1",
-        "--log-level", "info",
+        "--log-level", "debug" if debug else "info",
     ]  # fmt: skip
     log_path = log_dir / f"router-{policy}-{port}.log"
     with log_path.open("ab") as log:

@@ -33,6 +33,7 @@ from tests.server.router_support import (
     start_router,
 )
 from tests.server.support import ServerProcess, free_port, wait_until
+from tests.tiering.stores import redis_server  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.model
 
@@ -121,7 +122,7 @@ def test_every_policy_passes_completions_chat_and_streams(
 def test_kv_aware_sends_a_cached_prefix_to_the_replica_that_holds_it(
     replicas: list[ServerProcess], log_dir: Path
 ) -> None:
-    router = start_router(log_dir, replicas, "kv_aware")
+    router = start_router(log_dir, replicas, "kv_aware", debug=True)
     try:
         model = model_of(replicas[0])
         prefixes = [system_prompt(100 + i) for i in range(6)]
@@ -134,6 +135,7 @@ def test_kv_aware_sends_a_cached_prefix_to_the_replica_that_holds_it(
                 found.append(served(replicas, router, model, prompt)[1])
         on_holder = sum(tokens >= PREFIX_BLOCKS * 16 for tokens in found)
         assert on_holder >= 0.9 * len(found), found
+        assert router.kv_index_complaints() == []  # every batch decoded and applied
     finally:
         router.stop()
 
@@ -149,13 +151,14 @@ def test_a_restarted_router_catches_up_by_replay(
             list(pool.map(lambda p: complete(first, model, p + " First?"), prefixes))
     finally:
         first.stop()
-    second = start_router(log_dir, replicas, "kv_aware")  # no traffic since: nothing new
+    second = start_router(log_dir, replicas, "kv_aware", debug=True)  # nothing new since
     try:
         time.sleep(CATCH_UP_S)
         for i, prefix in enumerate(prefixes):
             _, tokens = served(replicas, second, model, f"{prefix} Again {i}?")
             assert tokens >= PREFIX_BLOCKS * 16, (i, tokens)
         assert placement_hits(second) >= len(prefixes)
+        assert second.kv_index_complaints() == []
     finally:
         second.stop()
 
@@ -202,11 +205,19 @@ def _names(token_ids: list[int], block_size: int = 16) -> list[bytes]:
     return out
 
 
+@pytest.mark.parametrize("backend", ["file", "redis"])
 def test_a_shared_store_makes_a_prefix_from_one_replica_a_storage_hit_on_another(
-    log_dir: Path, tmp_path: Path
+    backend: str, log_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    store = tmp_path / "kv"
-    a, b = (start_replica(log_dir, "--num-kv-blocks", "256", store=store) for _ in range(2))
+    """Replica A computes a prefix and writes it down; B finds it in the store and publishes it
+    on the STORAGE medium (a Redis store as a remote pool: ownership, locality REMOTE); a
+    kv_aware router in front of both applies every batch."""
+    if backend == "redis":
+        spec = f"redis://127.0.0.1:{request.getfixturevalue('redis_server').port}"
+    else:
+        spec = f"file:{tmp_path / 'kv'}"
+    a, b = (start_replica(log_dir, "--num-kv-blocks", "256", store=spec) for _ in range(2))
+    router = start_router(log_dir, [a, b], "kv_aware", debug=True)
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
     try:
@@ -226,9 +237,17 @@ def test_a_shared_store_makes_a_prefix_from_one_replica_a_storage_hit_on_another
             for event in msgpack.unpackb(payload)[1]:
                 if event["type"] == "BlockStored" and event["medium"] == "STORAGE":
                     stored.update(event["block_hashes"])
+                    remote = {"ownership": "redis", "locality": "REMOTE"}
+                    assert {k: event.get(k) for k in remote} == (
+                        remote if backend == "redis" else {"ownership": None, "locality": None}
+                    )
         assert set(_names(ids)[: num_full - 1]) <= stored
+        complete(router, model, prompt)  # the router renders it and places it
+        assert placement_hits(router) >= 1
+        assert router.kv_index_complaints() == []
     finally:
         sub.close(linger=0)
         context.term()
+        router.stop()
         a.stop()
         b.stop()

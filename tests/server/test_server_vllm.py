@@ -485,6 +485,14 @@ def test_a_router_reads_load_server_and_model_info_without_a_key(server: ServerP
     model = httpx.get(server.url + "/get_model_info", timeout=30).json()
     assert model["is_generation"] is True and model["model_path"] == info["model_path"]
     assert model["max_model_len"] == info["max_model_len"] > 0
+    for alias, same in (("/load", "/get_load"), ("/model_info", "/get_model_info")):
+        assert (
+            httpx.get(server.url + alias, timeout=30).json().keys()
+            == {"/get_load": load, "/get_model_info": model}[same].keys()
+        )
+    vllm_form = httpx.get(server.url + "/server_info", timeout=30).json()["vllm_config"]
+    assert vllm_form["model_config"]["model"] == "alpha"
+    assert vllm_form["cache_config"]["block_size"] == 16
 
 
 def test_load_counts_the_requests_in_the_engine(server: ServerProcess) -> None:
