@@ -55,7 +55,8 @@ def _add_model_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="auto (default): the KV cache in --dtype; no KV quantization (fp8) here",
+        help="auto (default): the KV cache in --dtype; int8 or fp8 (e4m3): 8-bit blocks with a "
+        "float16 scale per token and KV head (about 2x bf16's tokens, 3.9x float32's)",
     )
     g.add_argument(
         "--quantization",

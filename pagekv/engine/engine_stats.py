@@ -34,6 +34,8 @@ def engine_stats(
         "kv_slots_allocated": usage.num_slots_allocated,
         "kv_tokens_stored": usage.num_tokens_stored,
         "kv_internal_fragmentation": usage.internal_fragmentation,
+        "kv_bytes_per_token": block_bytes / kv.block_size,  # in the KV cache's dtype
+        "kv_tokens_per_gib": 2**30 * kv.block_size / block_bytes,
         "prefix_cache_query_tokens": usage.prefix_query_tokens,
         "prefix_cache_hit_tokens": usage.prefix_hit_tokens,
         "prefix_cache_evictions": usage.num_evictions,
@@ -54,14 +56,16 @@ def engine_stats(
     }
 
 
-def capacity_line(pool: BlockPool, block_bytes: int, max_model_len: int) -> str:
-    """The start-up line on KV capacity: blocks, tokens, bytes, concurrency at full context."""
+def capacity_line(pool: BlockPool, block_bytes: int, max_model_len: int, kv_dtype: str) -> str:
+    """The start-up line on KV capacity: blocks, tokens, bytes in the KV cache's dtype, tokens
+    per GiB, concurrency at full context."""
     num_blocks, block_size = pool.num_blocks, pool.block_size
     tokens = num_blocks * block_size
     per_token = block_bytes // block_size
     concurrency = tokens / max_model_len
     return (
         f"KV cache: {num_blocks} blocks x {block_size} tokens = {tokens} tokens "
-        f"({num_blocks * block_bytes / 2**30:.2f} GiB, {per_token / 1024:.1f} KiB per token); "
+        f"({num_blocks * block_bytes / 2**30:.2f} GiB in {kv_dtype}, {per_token / 1024:.1f} KiB "
+        f"per token, {2**30 // per_token} tokens per GiB); "
         f"max concurrency at {max_model_len} tokens per request: {concurrency:.2f}x"
     )

@@ -56,6 +56,7 @@ from pagekv.engine.sanitizer import KVSanitizer
 from pagekv.engine.structured_output import StructuredOutputs
 from pagekv.engine.tier_setup import build_tiers, open_configured_store
 from pagekv.errors import InvalidRequestError, PromptTooLongError
+from pagekv.models.config import ModelConfig
 from pagekv.models.loader import LoadedModel
 from pagekv.runner.kv_cache import KVCache
 from pagekv.runner.model_runner import ModelRunner, SampledToken
@@ -63,6 +64,13 @@ from pagekv.sampling_params import SamplingParams, StructuredOutputsParams
 from pagekv.tiering.manager import TierManager
 
 logger = logging.getLogger("pagekv")
+
+
+def _block_bytes(config: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype) -> int:
+    """What one block id costs: K and V of every layer, in the KV cache's dtype."""
+    layers, heads, head_dim = mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim
+    size = config.block_size
+    return KVCache.bytes_per_block(layers, size, heads, head_dim, dtype, config.kv_cache_dtype)
 
 
 def _num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
@@ -114,13 +122,7 @@ class LLMEngine:
         self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded tokens, memoised
         mcfg = self.loaded.config
         self.max_model_len = max_model_len(config, mcfg)
-        block_bytes = KVCache.bytes_per_block(
-            mcfg.num_hidden_layers,
-            config.block_size,
-            mcfg.num_key_value_heads,
-            mcfg.head_dim,
-            dtype,
-        )
+        block_bytes = _block_bytes(config, mcfg, dtype)
         if device.type != "cpu":
             self.loaded.model.to(device)  # before the pool is sized from the memory left
         num_blocks = _num_kv_blocks(config, block_bytes, device)
@@ -139,6 +141,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded, num_blocks, config.block_size, num_host, num_threads=config.num_threads,
             device=device, int8_activations=int8_activations(config, self.loaded, device),
+            kv_cache_dtype=config.kv_cache_dtype,
         )  # fmt: skip
         self.tiers: TierManager | None = None
         load_cost = LoadCostModel()
@@ -160,7 +163,8 @@ class LLMEngine:
         self._beam_results: dict[str, BeamSearchOutput] = {}
         self.sanitizer = KVSanitizer(self.kv, self.runner.kv) if config.kv_sanitizer else None
         self._block_bytes = block_bytes
-        self.capacity_line = capacity_line(self.kv.pool, block_bytes, self.max_model_len)
+        kv_dtype = str(self.runner.kv.dtype).removeprefix("torch.")
+        self.capacity_line = capacity_line(self.kv.pool, block_bytes, self.max_model_len, kv_dtype)
         self.system_line = self.runner.system_line  # the CPU and the kernels in use
         logger.info(self.system_line)
         logger.info(self.capacity_line)
@@ -277,7 +281,8 @@ class LLMEngine:
         keeps its copies). Returns how many; blocks in use stay. A benchmark calls this so a
         repeated pass does not hit the previous pass's prompts."""
         num = self.kv.reset_prefix_cache()
-        self._publish_kv_events()
+        if self.kv_events is not None:
+            self.kv_events.publish()
         return num
 
     # ---- one step -------------------------------------------------------------------------------
@@ -317,7 +322,8 @@ class LLMEngine:
         for beam_output in self.beams.finish_ready():
             self._beam_results[beam_output.request_id] = beam_output
         outputs = [g.to_output() for g in changed.values()]
-        self._publish_kv_events()  # after the frees: a finished request's blocks stay cached
+        if self.kv_events is not None:  # after the frees: finished requests' blocks stay cached
+            self.kv_events.publish()
         for group in changed.values():
             if group.finished:
                 self._forget(group)
@@ -417,10 +423,6 @@ class LLMEngine:
             self._branch_of.pop(rid, None)
             self.runner.release(rid)
             self.structured.release(rid)
-
-    def _publish_kv_events(self) -> None:
-        if self.kv_events is not None:
-            self.kv_events.publish()
 
     def kv_event_sources(self) -> dict[str, dict[str, Any]]:
         """Where this engine publishes KV events (vLLM's GET /kv_event_sources); {} if off."""

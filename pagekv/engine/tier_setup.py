@@ -79,6 +79,8 @@ def build_tiers(
     assert host_kv is not None, "lower tiers need a host pool"
     io = BlockIO(runner.kv.read_blocks, host_kv.read_blocks, host_kv.write_block)
     fingerprint = content_fingerprint(loaded) + config.block_size.to_bytes(4, "little")
+    if runner.kv.quantized:  # records of 8-bit blocks are another layout (a float one: dtype's)
+        fingerprint += f"kv:{runner.kv.dtype}".encode()
     secret = None if config.kv_store_secret is None else config.kv_store_secret.encode()
     retry_s = min(1.0, config.kv_store_timeout_s)
     tiers = TierManager(kv, io, fingerprint, store, retry_s=retry_s, secret=secret)

@@ -29,6 +29,7 @@ DEFAULT_DTYPE = "float32"
 _DTYPE_ALIASES = {"auto": DEFAULT_DTYPE, "float": "float32", "float32": "float32"}
 _DTYPE_ALIASES |= {"bfloat16": "bfloat16", "half": "bfloat16", "float16": "bfloat16"}
 KV_CACHE_DTYPES = ("auto", *ENGINE_DTYPES)
+EIGHT_BIT_KV = ("int8", "fp8", "fp8_e4m3")  # 8-bit blocks with scales (runner/kv_cache.py)
 
 
 def human_readable_int(value: int | str, param: str) -> int:
@@ -87,13 +88,15 @@ def engine_dtype(value: object) -> str:
 
 
 def check_kv_cache_dtype(value: object, dtype: str) -> None:
-    """The KV cache is kept in the model's dtype: "auto", or that dtype by name."""
-    if value == "auto" or value == dtype:
+    """The KV cache is kept in the model's dtype ("auto", or that dtype by name) or in 8 bits
+    ("int8"; "fp8" or "fp8_e4m3": e4m3), a float16 scale per token and KV head."""
+    if value in ("auto", dtype, *EIGHT_BIT_KV):
         return
     if value in KV_CACHE_DTYPES:
-        reason = f"the KV cache is kept in the model's dtype, {dtype}"
+        reason = f"a float KV cache is kept in the model's dtype, {dtype}"
     else:
-        reason = "KV cache quantization (fp8 and the like) is not supported"
+        reason = "not a KV cache dtype here"
     raise InvalidRequestError(
-        f"kv_cache_dtype {value!r:.80}: {reason}; use 'auto' (or {dtype!r})", "kv_cache_dtype"
+        f"kv_cache_dtype {value!r:.80}: {reason}; use 'auto' ({dtype!r}), 'int8' or 'fp8'",
+        "kv_cache_dtype",
     )

@@ -75,18 +75,65 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+FP8 = torch.float8_e4m3fn  # an fp8 cache keeps these bits in uint8 planes (CPU indexing)
+FP8_MAX = 448.0
+
+
+def quantize_rows(x: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round each row (the last axis) to 8 bits with its own float16 scale: int8 steps of
+    amax / 127, or (``fp8``) e4m3 values of x / (amax / 448), their bits as uint8.
+
+    x: [..., D] -> (int8 or uint8 [..., D], float16 [...]); the row is ``q * scale``. The scale
+    is rounded to float16 first and the row divided by that rounded scale, so dequantizing with
+    the stored scale costs only the 8-bit rounding. An all-zero row has scale 0.
+    """
+    amax = x.float().abs().amax(dim=-1)
+    scale = (amax / (FP8_MAX if fp8 else 127.0)).to(torch.float16)
+    divisor = torch.where(scale > 0, scale.float(), 1.0)
+    scaled = x.float() / divisor[..., None]
+    if fp8:
+        return scaled.clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8), scale
+    return torch.round(scaled).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """8-bit rows (int8, or fp8 bits in uint8) times their scales, in float32."""
+    values = rows.view(FP8) if rows.dtype == torch.uint8 else rows
+    return values.float() * scales.float()[..., None]
+
+
 def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *args: torch.Tensor,
+) -> None:
+    """Write this step's new K/V into the cache, in place, token ``t`` into ``slot_mapping[t]``.
+
+    ``write_kv(k_cache, v_cache, k, v, slot_mapping)``, or for an 8-bit cache (int8, or fp8
+    bits in uint8)
+    ``write_kv(k_cache, v_cache, k_scale, v_scale, k, v, slot_mapping)`` (rows rounded by
+    ``quantize_rows``, their scales written to the same slots).
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; scales: [num_blocks,
+    block_size, num_kv_heads]; k, v: [T, num_kv_heads, head_dim]; slot_mapping: int64 [T]
+    """
+    if len(args) == 5:
+        k_scale, v_scale, k, v, slot_mapping = args
+        fp8 = k_cache.dtype == torch.uint8
+        (qk, sk), (qv, sv) = quantize_rows(k, fp8), quantize_rows(v, fp8)
+        _write_rows(k_cache, v_cache, qk, qv, slot_mapping)
+        _write_rows(k_scale, v_scale, sk, sv, slot_mapping)
+        return
+    k, v, slot_mapping = args
+    _write_rows(k_cache, v_cache, k, v, slot_mapping)
+
+
+def _write_rows(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write this step's new K/V into the cache, in place, token ``t`` into ``slot_mapping[t]``.
-
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    k, v: [T, num_kv_heads, head_dim]; slot_mapping: int64 [T]
-    """
     if k_cache.shape != v_cache.shape or k.shape != v.shape:
         raise ValueError(
             f"K and V must match: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}, "
@@ -113,17 +160,24 @@ def write_kv(
 
 
 def _gather_history(
-    cache: torch.Tensor, meta: AttentionMetadata, positions: torch.Tensor, key_valid: torch.Tensor
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    positions: torch.Tensor,
+    key_valid: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Read every sequence's padded history at ``positions`` (int64 [S]) through its block
-    table in one indexing op.
+    table in one indexing op (an int8 cache's rows times their ``scales``).
 
     cache: [num_blocks, block_size, num_kv_heads, head_dim]; key_valid: bool [B, S]
     returns float32 [B, num_kv_heads, S, head_dim], zero where a key is not valid.
     """
     logical_blocks = positions // meta.block_size  # [S]
     physical = meta.block_tables[:, logical_blocks]  # [B, S]
-    history = cache[physical, positions % meta.block_size]  # [B, S, kv_heads, D]
+    offsets = positions % meta.block_size  # [S]
+    history = cache[physical, offsets]  # [B, S, kv_heads, D]
+    if scales is not None:
+        history = dequantize(history, scales[physical, offsets])
     # Slots past a sequence's length hold whatever an earlier owner left (possibly NaN from an
     # uninitialised pool); a masked weight of 0 times NaN is still NaN, so zero them out.
     history = torch.where(key_valid[:, :, None, None], history.float(), 0.0)
@@ -194,15 +248,14 @@ def paged_attention_reference(
     *,
     window: int | None = None,
     softcap: float | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of this step's queries over each sequence's cached history.
 
-    q: [T, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
-    returns [T, num_heads, head_dim] in q's dtype, computed in float32 (the reference). The
-    caller has already run ``write_kv`` for this step's tokens. Covers prefill, decode and
-    prefix-cached prefill (q_len < seq_len). ``window``: a query at position p sees only keys
-    p - window < k <= p (blocks before that may be given back: never read). ``softcap``:
-    scaled scores become tanh(s / softcap) * softcap before the softmax (Gemma 2)."""
+    q: [T, H, D]; caches: [num_blocks, block_size, KVH, D]; ``scales``: an int8 cache's (K, V)
+    row scales, [num_blocks, block_size, KVH]. Returns [T, H, D] in q's dtype, in float32 math,
+    after the caller's ``write_kv`` (prefill, decode, prefix-cached prefill). ``window``: a query
+    at p sees keys p - window < k <= p only; ``softcap``: scores -> tanh(s / cap) * cap."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads != 0 or k_cache.shape[3] != head_dim:
@@ -215,8 +268,9 @@ def paged_attention_reference(
 
     seq_of_token, index_in_seq, query_lens = _token_coordinates(meta, num_tokens)
     key_pos, key_valid = _keys_read(meta, query_lens, window)  # [S], [B, S]
-    keys = _gather_history(k_cache, meta, key_pos, key_valid)  # [B, KVH, S, D]
-    values = _gather_history(v_cache, meta, key_pos, key_valid)  # [B, KVH, S, D]
+    k_scale, v_scale = scales if scales is not None else (None, None)
+    keys = _gather_history(k_cache, meta, key_pos, key_valid, k_scale)  # [B, KVH, S, D]
+    values = _gather_history(v_cache, meta, key_pos, key_valid, v_scale)  # [B, KVH, S, D]
 
     q_pad = q.new_zeros((num_seqs, max_q, num_heads, head_dim), dtype=torch.float32)
     q_pad[seq_of_token, index_in_seq] = q.float()  # [B, Q, H, D]

@@ -97,12 +97,12 @@ class Backend(ABC):
         setup = self.setup
         meta = functools.cache(lambda: reference_metadata(inputs, setup.block_size))
 
-        def attend(
-            layer: int, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor]
-        ) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, caches: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            k, v, *scales = caches
             return paged_attention_reference(
-                q, *caches, meta(), setup.scale, window=setup.windows[layer], softcap=setup.softcap
-            )
+                q, k, v, meta(), setup.scale, window=setup.windows[layer], softcap=setup.softcap,
+                scales=(scales[0], scales[1]) if scales else None,
+            )  # fmt: skip
 
         return attend
 
@@ -116,9 +116,8 @@ class ReferenceBackend(Backend):
         kv, slots, reference = self.setup.kv, inputs.slot_mapping, self._reference(inputs)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            caches = (kv.k[layer], kv.v[layer])
-            write_kv(*caches, k, v, slots)
-            return reference(layer, q, caches)
+            kv.write(layer, k, v, slots)
+            return reference(layer, q, kv.caches(layer))
 
         return StepAttention(attend)
 
@@ -141,6 +140,7 @@ class CpuKernelBackend(Backend):
         self.cache_addresses: CacheAddresses | None = None
         if (
             self.kernel is not None
+            and not setup.kv.quantized
             and all(w is None for w in setup.windows)
             and setup.softcap is None
             and os.environ.get(STACK_ENV, "1") != "0"
@@ -163,6 +163,9 @@ class CpuKernelBackend(Backend):
         kv = setup.kv
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if kv.quantized:  # 8-bit blocks: the reference reads them (no kernel does yet)
+                kv.write(layer, k, v, slots)
+                return reference(layer, q, kv.caches(layer))
             caches = (kv.k[layer], kv.v[layer])
             if kernel is None or not kernel.write_kv(*caches, k, v, slots):
                 write_kv(*caches, k, v, slots)
@@ -178,6 +181,11 @@ class TritonBackend(Backend):
     write and the paged attention (windows and soft caps included)."""
 
     kind = AttentionBackend.TRITON
+
+    def __init__(self, setup: AttentionSetup, device: torch.device) -> None:
+        super().__init__(setup, device)
+        if setup.kv.quantized:
+            raise ValueError("an int8 KV cache runs on the CPU here (no Triton kernel reads it)")
 
     def step(self, inputs: StepInputs) -> StepAttention:
         from pagekv.kernels import triton_attention  # imports triton: only where it runs

@@ -26,6 +26,7 @@ position's logits are the first generated token's, sampled and never scored::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,7 @@ class ModelRunner:
         num_threads: int | None = None,
         device: torch.device | str = "cpu",
         int8_activations: bool = False,  # GGUF blocks against int8 rows (FusedOps')
+        kv_cache_dtype: str = "auto",  # the KV blocks' dtype: the model's, or int8 (kv_cache.py)
     ) -> None:
         if num_threads is not None:
             if num_threads < 1:
@@ -127,9 +129,10 @@ class ModelRunner:
             self.model.use_layer_ops(TORCH_OPS)
         self.block_size = block_size
         shape = (cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv = KVCache(*shape[:1], num_blocks, *shape[1:], self.dtype, device=self.device)
+        pool = functools.partial(KVCache, cfg.num_hidden_layers, kv_dtype=kv_cache_dtype)
+        self.kv = pool(num_blocks, *shape[1:], self.dtype, device=self.device)
         self.host_kv = (  # pinned beside a GPU: its copies to and from the device are async
-            KVCache(*shape[:1], num_host_blocks, *shape[1:], self.dtype, pinned=self.on_gpu)
+            pool(num_host_blocks, *shape[1:], self.dtype, pinned=self.on_gpu)
             if num_host_blocks > 0
             else None
         )
@@ -171,6 +174,8 @@ class ModelRunner:
         decode, prefill = (None, None)
         if isinstance(backend, CpuKernelBackend):
             decode, prefill, target = backend.kernel, backend.prefill_kernel, isa.selected()
+            if self.kv.quantized:  # 8-bit blocks: attention in torch (no kernel reads them yet)
+                decode, prefill = None, None
         kernels = (decode, prefill, ops)
         info = report.describe(target, self.dtype, *kernels, first, head_dim=head_dim)
         return {**info, **report.describe_weights(self.model)}

@@ -114,7 +114,7 @@ def test_a_hugging_face_id_and_vllms_arguments_build_an_llm(smol_cache: Path) ->
         ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
         ({"data_parallel_size": 2}, "data_parallel_size"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
         ({"dtype": "int4"}, "dtype"),
         ({"max_model_len": "4kk"}, "max_model_len"),
         ({"swap_space": "lots"}, "swap_space"),

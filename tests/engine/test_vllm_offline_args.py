@@ -94,12 +94,14 @@ def test_kv_cache_dtype_is_the_models_or_a_clear_refusal() -> None:
     assert EngineConfig(kv_cache_dtype="auto").kv_cache_dtype == "auto"
     assert EngineConfig(kv_cache_dtype="float32").dtype == "float32"
     assert EngineConfig(dtype="bfloat16", kv_cache_dtype="bfloat16").dtype == "bfloat16"
-    for bad in ("fp8", "fp8_e5m2", "bfloat16", "int4"):
+    for eight_bit in ("int8", "fp8", "fp8_e4m3"):  # 8-bit blocks with scales
+        assert EngineConfig(kv_cache_dtype=eight_bit).kv_cache_dtype == eight_bit
+    for bad in ("fp8_e5m2", "bfloat16", "int4"):
         with pytest.raises(InvalidRequestError, match="kv_cache_dtype") as info:
             EngineConfig(kv_cache_dtype=bad)
         assert info.value.param == "kv_cache_dtype"
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
-        _cli(["--kv-cache-dtype", "fp8"])
+        _cli(["--kv-cache-dtype", "fp8_e5m2"])
 
 
 def test_single_device_arguments_change_nothing_and_other_values_are_refused() -> None:

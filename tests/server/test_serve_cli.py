@@ -89,7 +89,7 @@ def test_help_shows_every_default() -> None:
         (["--ssl-keyfile", __file__], "--ssl-keyfile needs --ssl-certfile"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
         (["--tensor-parallel-size", "2"], "argument --tensor-parallel-size"),
-        (["--kv-cache-dtype", "fp8"], "argument --kv-cache-dtype"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype"),
         (["--uvicorn-log-level", "loud"], "argument --uvicorn-log-level"),
         (["--root-path", "api"], "argument --root-path"),
         (["--generation-config", "/no/such/dir"], "argument --generation-config"),

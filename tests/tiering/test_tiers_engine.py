@@ -4,7 +4,8 @@ A multi-turn workload (one long system prompt, then per-conversation documents a
 with a device pool far too small for its working set; its greedy outputs must equal those of a
 run with a device pool that holds everything, for every write policy, with the KV sanitizer and
 the invariants checked every step. The counters must show the host and storage hits that made
-the small pool's run match.
+the small pool's run match. Every test runs with float blocks and with int8 blocks (their
+scales travel with them), the host pool sized in blocks alike.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pagekv.core.invariants import check_no_leak
 from pagekv.engine import LLMEngine
 from pagekv.engine.config import EngineConfig
 from pagekv.llm import LLM
 from pagekv.models.loader import LoadedModel
+from pagekv.runner.kv_cache import KVCache
 from pagekv.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -53,8 +56,26 @@ def converse(engine: LLMEngine) -> list[list[int]]:
     return outputs
 
 
-def run(loaded: LoadedModel, **config: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    engine = LLMEngine(EngineConfig(check_invariants=True, kv_sanitizer=True, **config), loaded)
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def kv_dtype(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def host_memory(float32_mib: int, kv_dtype: str) -> int:
+    """Host-pool bytes holding as many blocks as ``float32_mib`` MiB of float32 blocks do."""
+    per_block = {
+        d: KVCache.bytes_per_block(30, 16, 3, 64, torch.float32, d) for d in (kv_dtype, "float32")
+    }
+    return float32_mib * 2**20 * per_block[kv_dtype] // per_block["float32"]
+
+
+def run(
+    loaded: LoadedModel, kv_dtype: str, **config: Any
+) -> tuple[list[list[int]], dict[str, Any]]:
+    settings = EngineConfig(
+        check_invariants=True, kv_sanitizer=True, kv_cache_dtype=kv_dtype, **config
+    )
+    engine = LLMEngine(settings, loaded)
     try:
         outputs = converse(engine)
         check_no_leak(engine.kv)
@@ -67,8 +88,8 @@ def run(loaded: LoadedModel, **config: Any) -> tuple[list[list[int]], dict[str, 
 
 
 @pytest.fixture(scope="module")
-def reference(loaded: LoadedModel) -> list[list[int]]:
-    outputs, stats = run(loaded, num_kv_blocks=512)
+def reference(loaded: LoadedModel, kv_dtype: str) -> list[list[int]]:
+    outputs, stats = run(loaded, kv_dtype, num_kv_blocks=512)
     assert stats["prefix_cache_evictions"] == 0  # it really holds everything
     return outputs
 
@@ -78,10 +99,11 @@ POLICIES = ["write_through", "write_through_selective", "write_back"]
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_host_cache_round_trip(
-    loaded: LoadedModel, reference: list[list[int]], policy: str
+    loaded: LoadedModel, reference: list[list[int]], policy: str, kv_dtype: str
 ) -> None:
+    host = host_memory(64, kv_dtype)
     outputs, stats = run(
-        loaded, num_kv_blocks=28, host_cache_memory="64MiB", cache_write_policy=policy
+        loaded, kv_dtype, num_kv_blocks=28, host_cache_memory=host, cache_write_policy=policy
     )
     assert stats["prefix_cache_evictions"] > 0  # the device pool was too small
     assert stats["host_hit_blocks"] > 0, stats
@@ -90,12 +112,13 @@ def test_host_cache_round_trip(
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_storage_round_trip(
-    loaded: LoadedModel, reference: list[list[int]], policy: str, tmp_path: Path
+    loaded: LoadedModel, reference: list[list[int]], policy: str, tmp_path: Path, kv_dtype: str
 ) -> None:
     outputs, stats = run(
         loaded,
+        kv_dtype,
         num_kv_blocks=28,
-        host_cache_memory="6MiB",  # 8 blocks: the host cache overflows into storage too
+        host_cache_memory=host_memory(6, kv_dtype),  # 8 blocks: it overflows into storage
         kv_store=f"file:{tmp_path}",
         cache_write_policy=policy,
     )
@@ -107,7 +130,7 @@ def test_storage_round_trip(
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_batched_under_pressure_with_swapping_in_the_same_host_pool(
-    loaded: LoadedModel, policy: str, tmp_path: Path
+    loaded: LoadedModel, policy: str, tmp_path: Path, kv_dtype: str
 ) -> None:
     """Many requests at once on a small device pool: preemption by swap and the host cache
     compete for one small host pool, and storage writes and prefetches run meanwhile."""
@@ -118,7 +141,10 @@ def test_batched_under_pressure_with_swapping_in_the_same_host_pool(
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def generate(**config: Any) -> tuple[list[list[int]], dict[str, Any]]:
-        engine = LLMEngine(EngineConfig(check_invariants=True, kv_sanitizer=True, **config), loaded)
+        settings = EngineConfig(
+            check_invariants=True, kv_sanitizer=True, kv_cache_dtype=kv_dtype, **config
+        )
+        engine = LLMEngine(settings, loaded)
         try:
             llm = LLM.from_engine(engine)
             out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -133,7 +159,7 @@ def test_batched_under_pressure_with_swapping_in_the_same_host_pool(
         num_kv_blocks=40,
         max_num_seqs=6,
         preemption_mode="swap",
-        host_cache_memory="12MiB",  # 16 blocks for swapped requests and cached prefixes alike
+        host_cache_memory=host_memory(12, kv_dtype),  # 16 blocks: swaps and cached prefixes
         kv_store=f"file:{tmp_path}",
         cache_write_policy=policy,
     )
