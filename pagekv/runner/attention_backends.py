@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from pagekv.runner.batch import StepInputs, reference_metadata
 from pagekv.runner.fast_attention import FastAttention
 from pagekv.runner.kv_cache import KVCache
 
+logger = logging.getLogger("pagekv")
 STACK_ENV = "PAGEKV_LAYER_STACK"  # "0": decode steps layer by layer, never in one C call
 
 
@@ -134,6 +136,11 @@ class CpuKernelBackend(Backend):
             raise ValueError("the fast attention runs on the CPU only")
         self.kernel = decode_kernel.load()
         self.prefill_kernel = prefill_kernel.load()
+        if setup.kv.quantized:
+            logger.warning(
+                "KV blocks in 8 bits: attention reads them in torch (no C kernel does yet), "
+                "so decoding over a long context is slower than over float blocks"
+            )
         # The pool's addresses for C code that runs a decode step's layers and calls the
         # decode kernel itself; None where it may not (a layer windowed or capped, no kernel,
         # PAGEKV_LAYER_STACK=0).
