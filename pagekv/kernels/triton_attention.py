@@ -80,13 +80,28 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
 
 
 @triton.jit
+def _rows(cache, scales, slot, scale_slot, dims, kv_mask, key_ok, EIGHT_BIT: tl.constexpr,
+          FP8: tl.constexpr):  # fmt: skip
+    """A tile of K or V rows [N, D]: as stored, or (8-bit) widened and times their scales."""
+    rows = tl.load(cache + slot[:, None] + dims[None, :], mask=kv_mask, other=0)
+    if EIGHT_BIT:
+        if FP8:
+            rows = rows.to(tl.float8e4nv, bitcast=True)
+        factor = tl.load(scales + scale_slot, mask=key_ok, other=0.0).to(tl.float32)
+        rows = rows.to(tl.float32) * factor[:, None]
+    return rows
+
+
+@triton.jit
 def _key_tile(
     q, m_i, l_i, acc, caches, slot, keys, key_ok, pos, dims, dim_ok, scale, softcap, window,
+    scales, scale_slot,
     SOFTCAP: tl.constexpr, FLOAT32_DOTS: tl.constexpr, PRECISION: tl.constexpr,
+    EIGHT_BIT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys into the running softmax: returns the new (max, sum, P @ V)."""
     kv_mask = key_ok[:, None] & dim_ok[None, :]
-    k = tl.load(caches[0] + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k = _rows(caches[0], scales[0], slot, scale_slot, dims, kv_mask, key_ok, EIGHT_BIT, FP8)
     if FLOAT32_DOTS:
         k = k.to(tl.float32)
     s = tl.dot(q.to(k.dtype), tl.trans(k), out_dtype=tl.float32, input_precision=PRECISION)
@@ -99,7 +114,7 @@ def _key_tile(
     m_new = tl.maximum(m_i, tl.max(s, 1))
     p = tl.exp(s - m_new[:, None])
     alpha = tl.exp(m_i - m_new)
-    v = tl.load(caches[1] + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = _rows(caches[1], scales[1], slot, scale_slot, dims, kv_mask, key_ok, EIGHT_BIT, FP8)
     if FLOAT32_DOTS:
         v = v.to(tl.float32)
     pv = tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision=PRECISION)
@@ -110,16 +125,19 @@ def _key_tile(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,  # q, o [T, H, D]; caches [blocks, bs, KVH, D]
+    k_scale_ptr, v_scale_ptr,  # an 8-bit cache's row scales [blocks, bs, KVH] (else unused)
     block_table_ptr, seq_lens_ptr, query_start_ptr,  # [B, max_blocks], [B], [B + 1]
     scale,
     softcap,  # with SOFTCAP: scores become tanh(s / softcap) * softcap
     window,  # a query at p sees keys p - window < k <= p only (no window: NO_WINDOW)
     stride_qt, stride_qh, stride_ot, stride_oh,  # between tokens, heads of q and o
     stride_cb, stride_cs, stride_ch,  # between blocks, slots, KV heads of a cache
+    stride_sb, stride_ss, stride_sh,  # between blocks, slots, KV heads of a scale plane
     stride_bt,  # between rows of the block table
     block_size,
     SOFTCAP: tl.constexpr,
     FLOAT32_DOTS: tl.constexpr, PRECISION: tl.constexpr,  # see _float32_dots, _precision
+    EIGHT_BIT: tl.constexpr, FP8: tl.constexpr,  # int8 rows, or e4m3 bits in uint8
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
@@ -155,14 +173,16 @@ def _paged_attention_kernel(
         lo = (first_key // BLOCK_N) * BLOCK_N
         table = block_table_ptr + seq.to(tl.int64) * stride_bt
         caches = (k_cache_ptr + kv_head * stride_ch, v_cache_ptr + kv_head * stride_ch)
+        scales = (k_scale_ptr + kv_head * stride_sh, v_scale_ptr + kv_head * stride_sh)
         for start in range(lo, hi, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)  # [N] key positions
             key_ok = (keys >= first_key) & (keys < hi)
             block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)
             slot = block * stride_cb + (keys % block_size) * stride_cs  # [N]
+            scale_slot = block * stride_sb + (keys % block_size) * stride_ss  # [N]
             m_i, l_i, acc = _key_tile(
                 q, m_i, l_i, acc, caches, slot, keys, key_ok, pos, dims, dim_ok, scale, softcap,
-                window, SOFTCAP, FLOAT32_DOTS, PRECISION,
+                window, scales, scale_slot, SOFTCAP, FLOAT32_DOTS, PRECISION, EIGHT_BIT, FP8,
             )  # fmt: skip
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_rows = (q_start + token).to(tl.int64) * stride_ot + head * stride_oh
@@ -225,10 +245,13 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
     launch: Launch = DEFAULT_LAUNCH,
+    scales: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """q: [T, H, D]; caches: [num_blocks, block_size, KVH, D] with unit stride in D;
     block_tables: int [B, max_blocks]; seq_lens: int [B] (after this step); query_start_loc:
-    int [B + 1]. Returns [T, H, D] in q's dtype. The step's K/V are already written."""
+    int [B + 1]. Returns [T, H, D] in q's dtype. The step's K/V are already written.
+    ``scales``: an 8-bit cache's (K, V) row scales, [num_blocks, block_size, KVH] each (int8
+    rows, or e4m3 bits in uint8): rows are widened to float32 and scaled as they load."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or k_cache.stride(3) != 1:
@@ -241,15 +264,21 @@ def paged_attention(
     rows = max_query_len * group
     block_m = 16 if rows <= 16 else 64  # tl.dot takes at least 16 rows
     grid = (seq_lens.shape[0], num_kv_heads, triton.cdiv(rows, block_m))
+    eight_bit = scales is not None
+    k_scale, v_scale = scales if scales is not None else (k_cache, v_cache)  # unread if not
+    math_dtype = torch.float32 if eight_bit else k_cache.dtype  # 8-bit rows widen to float32
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+        q, k_cache, v_cache, out, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
         scale, softcap or 1.0, NO_WINDOW if window is None else window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         block_tables.stride(0), k_cache.shape[1],
         SOFTCAP=softcap is not None,
-        FLOAT32_DOTS=_float32_dots(k_cache.dtype),
-        PRECISION=_precision(k_cache.dtype),
+        FLOAT32_DOTS=_float32_dots(math_dtype),
+        PRECISION=_precision(math_dtype),
+        EIGHT_BIT=eight_bit,
+        FP8=k_cache.dtype == torch.uint8,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

@@ -138,8 +138,8 @@ class CpuKernelBackend(Backend):
         self.prefill_kernel = prefill_kernel.load()
         if setup.kv.quantized:
             logger.warning(
-                "KV blocks in 8 bits: attention reads them in torch (no C kernel does yet), "
-                "so decoding over a long context is slower than over float blocks"
+                "KV blocks in 8 bits: on the CPU attention reads them in torch (no C kernel "
+                "does yet), so decoding over a long context is slower than over float blocks"
             )
         # The pool's addresses for C code that runs a decode step's layers and calls the
         # decode kernel itself; None where it may not (a layer windowed or capped, no kernel,
@@ -189,11 +189,6 @@ class TritonBackend(Backend):
 
     kind = AttentionBackend.TRITON
 
-    def __init__(self, setup: AttentionSetup, device: torch.device) -> None:
-        super().__init__(setup, device)
-        if setup.kv.quantized:
-            raise ValueError("an int8 KV cache runs on the CPU here (no Triton kernel reads it)")
-
     def step(self, inputs: StepInputs) -> StepAttention:
         from pagekv.kernels import triton_attention  # imports triton: only where it runs
 
@@ -207,11 +202,15 @@ class TritonBackend(Backend):
         launch = triton_attention.Launch.for_step(meta.max_query_len, meta.max_seq_len)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            caches = (kv.k[layer], kv.v[layer])
-            triton_attention.write_kv(*caches, k, v, slots)
+            caches, scales = (kv.k[layer], kv.v[layer]), None
+            if kv.quantized:  # rounded by torch's ops; the kernel widens and scales the rows
+                kv.write(layer, k, v, slots)
+                scales = (kv.k_scale[layer], kv.v_scale[layer])
+            else:
+                triton_attention.write_kv(*caches, k, v, slots)
             return triton_attention.paged_attention(
                 q, *caches, tables, seq_lens, starts, meta.max_query_len, setup.scale,
-                window=setup.windows[layer], softcap=setup.softcap, launch=launch,
+                window=setup.windows[layer], softcap=setup.softcap, launch=launch, scales=scales,
             )  # fmt: skip
 
         return StepAttention(attend)
