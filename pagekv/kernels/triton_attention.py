@@ -85,8 +85,13 @@ def _rows(cache, scales, slot, scale_slot, dims, kv_mask, key_ok, EIGHT_BIT: tl.
     """A tile of K or V rows [N, D]: as stored, or (8-bit) widened and times their scales."""
     rows = tl.load(cache + slot[:, None] + dims[None, :], mask=kv_mask, other=0)
     if EIGHT_BIT:
-        if FP8:
-            rows = rows.to(tl.float8e4nv, bitcast=True)
+        if FP8:  # e4m3 decoded by hand (Triton's float8e4nv needs sm_89 or later)
+            bits = rows.to(tl.int32)
+            exponent = (bits >> 3) & 15
+            mantissa = (bits & 7).to(tl.float32)
+            normal = (8.0 + mantissa) * tl.exp2((exponent - 10).to(tl.float32))
+            magnitude = tl.where(exponent == 0, mantissa * 0.001953125, normal)  # 2^-9
+            rows = tl.where((bits & 128) != 0, -magnitude, magnitude)
         factor = tl.load(scales + scale_slot, mask=key_ok, other=0.0).to(tl.float32)
         rows = rows.to(tl.float32) * factor[:, None]
     return rows

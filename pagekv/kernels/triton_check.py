@@ -39,7 +39,11 @@ TYPES = {
 }
 
 
-def signature(fn: object, pointer: str) -> dict[str, str]:
+# 8-bit caches: rows (int8, or e4m3 bits in uint8) and float16 scales beside bf16 activations
+EIGHT_BIT = {"int8": "*i8", "fp8": "*u8"}
+
+
+def signature(fn: object, pointer: str, overrides: dict[str, str] | None = None) -> dict[str, str]:
     """``fn``'s argument types, read off its parameters: a new argument needs no entry here."""
     types = {}
     for param in fn.params:  # type: ignore[attr-defined]
@@ -47,8 +51,14 @@ def signature(fn: object, pointer: str) -> dict[str, str]:
             types[param.name] = "constexpr"
         else:
             default = pointer if param.name.endswith("_ptr") else "i32"
-            types[param.name] = TYPES.get(param.name, default)
+            types[param.name] = {**TYPES, **(overrides or {})}.get(param.name, default)
     return types
+
+
+def eight_bit_overrides(kind: str) -> dict[str, str]:
+    cache = EIGHT_BIT[kind]
+    return {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp16",
+            "v_scale_ptr": "*fp16"}  # fmt: skip
 
 
 def attention_cases() -> list[tuple[str, dict[str, object], ta.Launch]]:
@@ -65,6 +75,8 @@ def attention_cases() -> list[tuple[str, dict[str, object], ta.Launch]]:
                     "SOFTCAP": softcap,
                     "FLOAT32_DOTS": False,
                     "PRECISION": ta._precision(getattr(torch, dtype)),
+                    "EIGHT_BIT": False,
+                    "FP8": False,
                     "GROUP": 4,
                     "HEAD_DIM": head_dim,
                     "BLOCK_D": head_dim,
@@ -97,6 +109,14 @@ def main() -> int:
             )
             for d, c, launch in attention_cases()
         ]
+        jobs += [  # 8-bit caches: widened to float32 as they load (full float32 dots)
+            (ta._paged_attention_kernel,
+             signature(ta._paged_attention_kernel, POINTERS["bfloat16"], eight_bit_overrides(k)),
+             {**c, "EIGHT_BIT": True, "FP8": k == "fp8", "PRECISION": "ieee"}, launch, k)
+            for k in EIGHT_BIT
+            for d, c, launch in attention_cases()
+            if d == "bfloat16"
+        ]  # fmt: skip
         jobs += [
             (ta._write_kv_kernel, signature(ta._write_kv_kernel, POINTERS[d]),
              {"WIDTH": 192, "BLOCK": 256}, ta.DEFAULT_LAUNCH, d)
