@@ -132,26 +132,21 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,  # q, o [T, H, D]; caches [blocks, bs, KVH, D]
     k_scale_ptr, v_scale_ptr,  # an 8-bit cache's row scales [blocks, bs, KVH] (else unused)
     block_table_ptr, seq_lens_ptr, query_start_ptr,  # [B, max_blocks], [B], [B + 1]
-    scale,
-    softcap,  # with SOFTCAP: scores become tanh(s / softcap) * softcap
+    scale, softcap,  # with SOFTCAP: scores become tanh(s / softcap) * softcap
     window,  # a query at p sees keys p - window < k <= p only (no window: NO_WINDOW)
     stride_qt, stride_qh, stride_ot, stride_oh,  # between tokens, heads of q and o
     stride_cb, stride_cs, stride_ch,  # between blocks, slots, KV heads of a cache
     stride_sb, stride_ss, stride_sh,  # between blocks, slots, KV heads of a scale plane
-    stride_bt,  # between rows of the block table
-    block_size,
+    stride_bt, block_size,  # between rows of the block table; tokens per block
     SOFTCAP: tl.constexpr,
     FLOAT32_DOTS: tl.constexpr, PRECISION: tl.constexpr,  # see _float32_dots, _precision
     EIGHT_BIT: tl.constexpr, FP8: tl.constexpr,  # int8 rows, or e4m3 bits in uint8
-    GROUP: tl.constexpr,  # query heads per KV head
-    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,  # query heads per KV head; head size
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_M: tl.constexpr,  # query rows (token, head of the group) per program
     BLOCK_N: tl.constexpr,  # keys per tile
 ):  # fmt: skip
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    seq, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if tile * BLOCK_M < q_len * GROUP:
