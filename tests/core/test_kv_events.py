@@ -30,13 +30,14 @@ BS = 4
 View = set[tuple[str, bytes]]
 
 
-def names(token_ids: Sequence[int]) -> list[bytes]:
-    """The public name of each full block of ``token_ids``, computed from scratch."""
+def names(token_ids: Sequence[int], block_size: int = BS) -> list[bytes]:
+    """The public name of each full block of ``token_ids``, computed from scratch (SHA-256 of
+    the parent's name and the block's token ids, u32 LE)."""
     out: list[bytes] = []
-    for i in range(len(token_ids) // BS):
-        block = token_ids[i * BS : (i + 1) * BS]
+    for i in range(len(token_ids) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
         parent = out[-1] if out else b""
-        out.append(hashlib.sha256(parent + struct.pack(f"<{BS}I", *block)).digest())
+        out.append(hashlib.sha256(parent + struct.pack(f"<{block_size}I", *block)).digest())
     return out
 
 

@@ -4,8 +4,6 @@ replay from the buffer, and a snapshot for a subscriber that connects late."""
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterator
 
 import msgpack
@@ -16,6 +14,7 @@ from pagekv import KVEventsConfig, SamplingParams
 from pagekv.engine.config import EngineConfig
 from pagekv.errors import InvalidRequestError
 from pagekv.llm import LLM
+from tests.core.test_kv_events import names
 
 pytestmark = pytest.mark.model
 
@@ -26,14 +25,6 @@ EVENTS = {
     "topic": "kv",
 }
 PROMPT = list(range(300, 345))  # 45 token ids: two full blocks of 16
-
-
-def names(token_ids: list[int], block_size: int = 16) -> list[bytes]:
-    out: list[bytes] = []
-    for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        out.append(hashlib.sha256((out[-1] if out else b"") + struct.pack("<16I", *block)).digest())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +87,7 @@ def test_a_late_subscriber_gets_the_state_then_replays_the_history(llm: LLM) -> 
         assert snapshot[0] == {"type": "AllBlocksCleared"}
         assert snapshot[1] == {
             "type": "BlockStored",
-            "block_hashes": names(PROMPT),
+            "block_hashes": names(PROMPT, 16),
             "parent_block_hash": None,
             "token_ids": PROMPT[:32],
             "block_size": 16,
@@ -117,7 +108,7 @@ def test_a_late_subscriber_gets_the_state_then_replays_the_history(llm: LLM) -> 
         assert [s for s, _ in replayed] == list(range(seq + 1))  # every batch, in order
         assert replayed[0][1] == [{"type": "AllBlocksCleared"}]  # a new process held nothing
         stored = [h for _, evs in replayed[1:-1] for e in evs for h in e.get("block_hashes", [])]
-        assert stored == names(PROMPT)  # committed as the prompt was computed
+        assert stored == names(PROMPT, 16)  # committed as the prompt was computed
         assert replayed[-1] == (seq, snapshot)
     finally:
         sub.close(linger=0)
@@ -135,7 +126,7 @@ def test_a_flush_is_published_as_removals(llm: LLM) -> None:
         _batches(sub)  # the snapshot
         llm.engine.reset_prefix_cache()
         removed = {h for _, evs in _batches(sub) for e in evs for h in e["block_hashes"]}
-        assert set(names(PROMPT)) <= removed
+        assert set(names(PROMPT, 16)) <= removed
     finally:
         sub.close(linger=0)
         context.term()

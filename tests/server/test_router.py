@@ -9,9 +9,7 @@ replica's /metrics (vLLM's prefix-cache and request counters)."""
 
 from __future__ import annotations
 
-import hashlib
 import random
-import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +21,7 @@ import openai
 import pytest
 import zmq
 
+from tests.core.test_kv_events import names
 from tests.server.router_support import (
     HITS,
     POLICIES,
@@ -197,14 +196,6 @@ def _event_ports(replica: ServerProcess) -> tuple[int, int]:
     raise AssertionError("no KV events line in the replica's log")
 
 
-def _names(token_ids: list[int], block_size: int = 16) -> list[bytes]:
-    out: list[bytes] = []
-    for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        out.append(hashlib.sha256((out[-1] if out else b"") + struct.pack("<16I", *block)).digest())
-    return out
-
-
 @pytest.mark.parametrize("backend", ["file", "redis"])
 def test_a_shared_store_makes_a_prefix_from_one_replica_a_storage_hit_on_another(
     backend: str, log_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
@@ -241,7 +232,7 @@ def test_a_shared_store_makes_a_prefix_from_one_replica_a_storage_hit_on_another
                     assert {k: event.get(k) for k in remote} == (
                         remote if backend == "redis" else {"ownership": None, "locality": None}
                     )
-        assert set(_names(ids)[: num_full - 1]) <= stored
+        assert set(names(ids, 16)[: num_full - 1]) <= stored
         complete(router, model, prompt)  # the router renders it and places it
         assert placement_hits(router) >= 1
         assert router.kv_index_complaints() == []
