@@ -252,7 +252,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server", formatter_class=ServeHelpFormatter
     )
-    add_engine_arguments(serve)
+    add_engine_arguments(serve, prefill_step_seconds=0.5)
     add_serve_arguments(serve)  # after the engine's: a flag both know is the engine's
     serve.set_defaults(func=lambda args: _serve(args, serve))
     kv_map = sub.add_parser("kv-map", help="save a running server's KV block map as a PNG")

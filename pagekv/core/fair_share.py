@@ -5,17 +5,14 @@ prompts hold every other client's short one to a token a step, and stretch every
 decodes take part in. So, while requests of more than one client are in the scheduler:
 
 - decodes first: one token of the budget per running request that decodes;
-- the rest, capped at ``ContendedBudget.tokens``, is split among the clients with prompt
+- the rest, capped at ``StepBudget.tokens(contended=True)``, is split among the clients with prompt
   tokens to compute (running prefills and waiting requests) by water-filling: a client
   needing less than an equal share gets what it needs, the others split the rest equally;
 - within a client, its requests take its share in the policy's order.
 
-``ContendedBudget`` keeps such a step short for the clients that decode in it: a step's
-prefill tokens, at most ``shared_prefill_tokens``, are steered by the measured step times so
-that a contended step takes about ``STEP_RATIO`` times a step of decodes alone (a token costs
-far more deep in a long prompt, where it attends to all before it, than near its start).
-
-With one client (every offline run) nothing changes: no shares, no cap. Must not import torch.
+How many prompt tokens such a step takes in all is ``step_budget.py``'s (about twice a step
+of decodes alone, steered by measured step times). With one client (every offline run) no
+shares. Must not import torch.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TypeVar
 
-from pagekv.core.plan import Plan
 from pagekv.core.policy import SchedulingPolicy
 from pagekv.core.request import Request
 from pagekv.core.scheduler_config import SchedulerConfig
@@ -44,47 +40,27 @@ def waterfill(demand: Mapping[K, int], total: int) -> dict[K, int]:
     return shares
 
 
-STEP_RATIO = 2.0  # a contended step against a step of decodes alone
-MIN_SHARED_TOKENS = 16
-DECODE_EMA = 0.2  # weight of the newest decode-only step in the average
+class PrefillShares:
+    """A step's prompt tokens left: per client (``per_client``), or one pool for all."""
 
+    __slots__ = ("per_client", "pooled")
 
-class ContendedBudget:
-    """A contended step's prefill tokens, steered by step times (module docstring). Owner of
-    the estimate of a decode-only step and of the current budget."""
+    def __init__(self, per_client: dict[str | None, int] | None = None, pooled: int = 0) -> None:
+        self.per_client = per_client
+        self.pooled = pooled
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
-        self.cap = config.shared_prefill_tokens
-        self.tokens = self.cap
-        self.decode_s: float | None = None
-        self._started: tuple[float, bool] | None = None  # the step's start, contended?
+    def left(self, client: str | None) -> int:
+        return self.pooled if self.per_client is None else self.per_client.get(client, 0)
 
-    def shares(
-        self, running: Sequence[Request], waiting: Iterable[Request], budget: int, now: float
-    ) -> dict[str | None, int] | None:
-        """This step's ``prefill_shares`` (a step starting ``now``)."""
-        shares = prefill_shares(running, waiting, budget, self.config, self.tokens)
-        self._started = (now, shares is not None)
-        return shares
-
-    def step_done(self, plan: Plan, now: float) -> None:
-        if self._started is not None:
-            started, contended = self._started
-            prefill = sum(e.num_tokens for e in plan.scheduled if e.num_tokens > 1)
-            self.observe(now - started, prefill, contended)
-            self._started = None
-
-    def observe(self, seconds: float, prefill_tokens: int, contended: bool) -> None:
-        """A step took ``seconds``: a decode-only one updates the estimate; a contended one
-        with prefill moves the budget toward STEP_RATIO times it (at most x2 or /2 a step)."""
-        if prefill_tokens == 0:
-            last = self.decode_s
-            self.decode_s = seconds if last is None else last + DECODE_EMA * (seconds - last)
-        elif contended and self.decode_s is not None and self.cap > 0:
-            scale = STEP_RATIO * self.decode_s / max(seconds, 1e-6)
-            tokens = int(self.tokens * min(max(scale, 0.5), 2.0))
-            self.tokens = min(self.cap, max(MIN_SHARED_TOKENS, tokens))
+    def take(self, client: str | None, num_new: int) -> int:
+        """``num_new`` within what is left for ``client``, taken from it."""
+        num_new = min(num_new, self.left(client))
+        if num_new > 0:
+            if self.per_client is None:
+                self.pooled -= num_new
+            else:
+                self.per_client[client] -= num_new
+        return num_new
 
 
 def prefill_shares(
@@ -119,11 +95,3 @@ def prefill_shares(
     if cap > 0:
         total = min(total, cap)
     return waterfill(demand, total)
-
-
-def take_share(shares: dict[str | None, int], client: str | None, num_new: int) -> int:
-    """``num_new`` within the client's share of this step's prefill, taken from it."""
-    num_new = min(num_new, shares.get(client, 0))
-    if num_new > 0:
-        shares[client] -= num_new
-    return num_new

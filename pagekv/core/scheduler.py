@@ -28,11 +28,10 @@ and a resumed request differ only in how far apart the two numbers are. Order wi
 A request whose prefix the storage tier fetches waits in ``loading``, blocking no one, then in
 its old place in ``waiting`` once it arrives or waiting stops paying (``LoadCostModel``).
 
-Per step, one request's chunk is capped by ``long_prefill_token_threshold`` (0: no cap), so a
-long prompt is spread over several steps, not one step stretched for everyone. Under the fair
-policy with 2+ clients in, a step's prefill is capped and shared by client (``fair_share.py``).
-``running`` is re-sorted only after a request joined it out of order: a steady decode costs no
-sorting.
+Per step, one request's chunk is capped by ``long_prefill_token_threshold`` (0: no cap); all
+prompt tokens by ``prefill_step_seconds`` (``step_budget.py``) and, under the fair policy with 2+
+clients in, shared by client (``fair_share.py``). ``running`` is re-sorted only after a request
+joined it out of order: a steady decode costs no sorting.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from pagekv.core.batch_prefix import blocks_completed, next_block_in
 from pagekv.core.block_pool import BlockHash
-from pagekv.core.fair_share import ContendedBudget, take_share
+from pagekv.core.fair_share import PrefillShares
 from pagekv.core.kv_cache_manager import KVCacheManager
 from pagekv.core.plan import Plan, ScheduledRequest
 from pagekv.core.policy import RequestOrder, RequestQueue, SchedulingPolicy, check_priority
@@ -51,6 +50,7 @@ from pagekv.core.preemptor import Preemptor
 from pagekv.core.request import Request, RequestStatus
 from pagekv.core.scheduler_config import SchedulerConfig, SchedulerCounters
 from pagekv.core.speculation import NgramProposer, accept
+from pagekv.core.step_budget import StepBudget
 from pagekv.errors import InvalidRequestError, PromptTooLongError
 
 __all__ = [
@@ -97,7 +97,7 @@ class Scheduler:
         queues = (self.running, self.waiting, self.swapped)
         self.preemptor = Preemptor(config, kv, self.counters, queues, clock)
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
-        self.contended = ContendedBudget(config)  # fair: a step's prefill among clients
+        self.step_budget = StepBudget(config)  # a step's prompt tokens, by step times
         self._preempted_last_step = False
         self._running_sorted = True  # False once a request joins ``running`` out of order
         spec = config.num_speculative_tokens
@@ -258,7 +258,7 @@ class Scheduler:
         if not self._running_sorted:
             self.running.sort(key=self.order.key)
             self._running_sorted = True
-        shares = self.contended.shares(self.running, self.waiting, budget, self.clock())
+        shares = self.step_budget.shares(self.running, self.waiting, budget, self.clock())
         scheduled, budget = self._schedule_running(budget, preempted, shares)
         if not preempted and not self.swapped:
             scheduled += self._admit(budget, scheduled, shares)
@@ -273,7 +273,7 @@ class Scheduler:
         return min(num_new, max(budget - num_after, 1))
 
     def _schedule_running(
-        self, budget: int, preempted: list[str], shares: dict[str | None, int] | None
+        self, budget: int, preempted: list[str], shares: PrefillShares | None
     ) -> tuple[list[ScheduledRequest], int]:
         # The decode hot path (256 requests a step): locals, and no helper calls for a decode.
         scheduled: list[ScheduledRequest] = []
@@ -292,7 +292,7 @@ class Scheduler:
             if num_new > 1:
                 num_new = self._chunk(num_new, budget, end - i - 1)
                 if shares is not None:
-                    num_new = take_share(shares, request.client, num_new)
+                    num_new = shares.take(request.client, num_new)
                     if num_new <= 0:  # its client's share is spent: next step
                         i += 1
                         continue
@@ -317,7 +317,7 @@ class Scheduler:
         self,
         budget: int,
         running: list[ScheduledRequest],
-        shares: dict[str | None, int] | None,
+        shares: PrefillShares | None,
     ) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
         computing: set[BlockHash] = set()  # prefix blocks this step's prefills complete
@@ -331,7 +331,7 @@ class Scheduler:
             if next_block_in(self.kv, request, num_cached, computing):
                 break  # computed this step by another request: next step it is a hit
             num_new = self._chunk(request.num_target_tokens - num_cached, budget, 0)
-            if shares is not None and (num_new := min(num_new, shares.get(request.client, 0))) <= 0:
+            if shares is not None and (num_new := min(num_new, shares.left(request.client))) <= 0:
                 break  # its client's share of this step is spent
             reserve = self._watermark_blocks if self.running else 0
             if not self.kv.can_allocate(request, num_new, reserve):
@@ -348,7 +348,7 @@ class Scheduler:
             scheduled.append(self._entry(request, num_new))
             computing.update(blocks_completed(self.kv, request, num_hit, num_new))
             if shares is not None:
-                take_share(shares, request.client, num_new)
+                shares.take(request.client, num_new)
             budget -= num_new
         return scheduled
 
@@ -395,7 +395,7 @@ class Scheduler:
         Returns the requests that reached a token-level stop (eos, stop token, length); they
         are finished and their blocks released here. Stop strings are the engine's to check.
         """
-        self.contended.step_done(plan, self.clock())
+        self.step_budget.step_done(plan, self.clock())
         finished: list[Request] = []
         block_size, commit, running = self.kv.block_size, self.kv.commit, RequestStatus.RUNNING
         release = self.kv.release_outside_window  # sliding windows only

@@ -59,6 +59,8 @@ class SchedulerConfig:
     # Under the fair policy, while requests of 2+ clients are in: a step's prefill tokens at
     # most (0: no cap), shared among the clients (fair_share.py)
     shared_prefill_tokens: int = 256
+    # A step with prompt tokens kept to about this long (step_budget.py); 0: off
+    prefill_step_seconds: float = 0.0
     watermark: float = 0.01  # share of the pool kept free when admitting
     cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
     preemption_log_interval_s: float = 10.0  # at most one preemption log line per interval
@@ -85,6 +87,11 @@ class SchedulerConfig:
         _check_int(self.priority_aging_steps, "priority_aging_steps", 0)
         _check_int(self.long_prefill_token_threshold, "long_prefill_token_threshold", 0)
         _check_int(self.shared_prefill_tokens, "shared_prefill_tokens", 0)
+        if not _is_number(self.prefill_step_seconds) or not 0 <= self.prefill_step_seconds < 1e6:
+            raise InvalidRequestError(
+                f"prefill_step_seconds must be >= 0, got {self.prefill_step_seconds!r}",
+                "prefill_step_seconds",
+            )
         _check_int(self.num_speculative_tokens, "num_speculative_tokens", 0)
         _check_int(self.prompt_lookup_min, "prompt_lookup_min", 1)
         _check_int(self.prompt_lookup_max, "prompt_lookup_max", self.prompt_lookup_min)

@@ -23,13 +23,14 @@ def add_engine_arguments(
     title: str = "engine",
     kv_cache_memory: str = "1GiB",
     tiers: bool = True,
+    prefill_step_seconds: float = 0.0,
 ) -> None:
     """The engine's options as one argument group (and the KV tier options when ``tiers``)."""
     group = parser.add_argument_group(title)
     _add_model_options(group)
     _add_kv_cache_options(group, kv_cache_memory)
     _add_batching_options(group)
-    _add_block_reuse_options(group)
+    _add_block_reuse_options(group, prefill_step_seconds)
     _add_speculation_options(group)
     if tiers:
         _add_tier_options(parser.add_argument_group("KV tiers"))
@@ -139,8 +140,8 @@ def _add_batching_options(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def _add_block_reuse_options(g: argparse._ArgumentGroup) -> None:
-    """Prefix caching, and what preemption does with a request's blocks."""
+def _add_block_reuse_options(g: argparse._ArgumentGroup, prefill_step_seconds: float) -> None:
+    """Prefix caching, what preemption does with a request's blocks, and how steps are shared."""
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -169,6 +170,14 @@ def _add_block_reuse_options(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=256,
         help="fair: a step's prefill tokens while 2+ clients have requests in (default: 256)",
+    )
+    g.add_argument(
+        "--prefill-step-seconds",
+        type=float,
+        default=prefill_step_seconds,
+        help="a step that computes prompt tokens is kept to about this long (its prompt tokens "
+        "set by the step times measured so far), so a request that arrives waits about this "
+        f"long at most for the step in flight; 0: off (default: {prefill_step_seconds:g})",
     )
 
 

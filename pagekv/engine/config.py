@@ -144,6 +144,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # per-request prefill tokens per step; 0: no cap
     # fair: a step's prefill tokens while 2+ clients have requests in, shared among them
     shared_prefill_tokens: int = 256
+    # a step with prompt tokens kept to about this long, by measured step times; 0: off
+    # (``pagekv serve``: 0.5, so a request that arrives never waits long for the step in flight)
+    prefill_step_seconds: float = 0.0
     # Speculative decoding by n-gram lookup in each greedy request's own tokens
     # (core/speculation.py): up to this many draft tokens per step (0: off), found by matching
     # the last prompt_lookup_max .. prompt_lookup_min tokens. Outputs are unchanged.
@@ -248,6 +251,11 @@ class EngineConfig:
         _check_one_of("preemption_mode", self.preemption_mode, [m.value for m in PreemptionMode])
         policies = [p.value for p in SchedulingPolicy]
         _check_one_of("scheduling_policy", self.scheduling_policy, policies)
+        step_s = self.prefill_step_seconds
+        if isinstance(step_s, bool) or not isinstance(step_s, int | float) or not 0 <= step_s < 1e6:
+            raise InvalidRequestError(
+                f"prefill_step_seconds must be >= 0, got {step_s!r}", "prefill_step_seconds"
+            )
         if self.max_num_seqs < 1:
             raise InvalidRequestError(
                 f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}", "max_num_seqs"

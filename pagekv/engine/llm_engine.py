@@ -102,6 +102,7 @@ def _scheduler_config(
         priority_aging_steps=config.priority_aging_steps,
         long_prefill_token_threshold=config.long_prefill_token_threshold,
         shared_prefill_tokens=config.shared_prefill_tokens,
+        prefill_step_seconds=config.prefill_step_seconds,
         cost_model=config.preemption_cost or PreemptionCostModel(),
         load_cost=load_cost,
         num_speculative_tokens=config.num_speculative_tokens,

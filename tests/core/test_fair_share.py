@@ -8,10 +8,11 @@ import random
 
 import pytest
 
-from pagekv.core.fair_share import MIN_SHARED_TOKENS, ContendedBudget, waterfill
+from pagekv.core.fair_share import waterfill
 from pagekv.core.invariants import check_no_leak
 from pagekv.core.policy import FairTurns
 from pagekv.core.scheduler import Scheduler, SchedulerConfig
+from pagekv.core.step_budget import MIN_PREFILL_TOKENS, UNMEASURED_TOKENS, StepBudget
 from tests.core.fakes import (
     FakeRunner,
     StepLog,
@@ -37,26 +38,59 @@ def ticking(sched: Scheduler) -> Scheduler:
     return sched
 
 
-def test_the_contended_budget_follows_step_times() -> None:
-    budget = ContendedBudget(SchedulerConfig(policy="fair", shared_prefill_tokens=256))
-    budget.observe(0.5, 100, contended=True)  # no decode-only step seen yet: unchanged
-    assert budget.tokens == 256
-    budget.observe(0.010, 0, contended=True)  # decodes alone: 10 ms
-    budget.observe(0.080, 256, contended=True)  # 4x the target of 20 ms: halved at most
-    assert budget.tokens == 128
-    budget.observe(0.040, 128, contended=True)
-    assert budget.tokens == 64
-    budget.observe(0.020, 64, contended=True)  # on target: kept
-    assert budget.tokens == 64
-    budget.observe(0.005, 64, contended=True)  # far under: doubled at most, never past cap
-    budget.observe(0.005, 128, contended=True)
-    budget.observe(0.005, 256, contended=True)
-    assert budget.tokens == 256
-    for _ in range(20):
-        budget.observe(10.0, 16, contended=True)
-    assert budget.tokens == MIN_SHARED_TOKENS
-    budget.observe(0.001, 16, contended=False)  # a step of one client: no steering
-    assert budget.tokens == MIN_SHARED_TOKENS
+def test_the_step_budget_fits_prompt_tokens_to_step_times() -> None:
+    """Contended: twice a decode-only step; under prefill_step_seconds: that long; by a cost
+    model of the steps measured (a base plus a cost per prompt token)."""
+    config = SchedulerConfig(policy="fair", shared_prefill_tokens=256, prefill_step_seconds=0.1)
+    budget = StepBudget(config)
+    assert budget.tokens(True) == budget.tokens(False) == UNMEASURED_TOKENS  # nothing measured
+    budget.observe(0.010, 0)  # decodes alone: 10 ms
+    budget.observe(0.010 + 100 * 0.0001, 100)  # 0.1 ms a prompt token beyond the base
+    assert budget.token_s == pytest.approx(0.0001)
+    assert budget.tokens(True) == 100  # (2 x 0.01 - 0.01) / 0.0001
+    assert budget.tokens(False) == 900  # (0.1 - 0.01) / 0.0001
+    budget.observe(0.010 + 100 * 0.0003, 100)  # deeper in the prompt: 0.3 ms, averaged
+    assert budget.token_s == pytest.approx(0.0002)
+    assert (budget.tokens(True), budget.tokens(False)) == (50, 450)
+    for _ in range(40):  # decodes alone take longer than the target: prompts get as long again
+        budget.observe(0.150, 0)
+    assert budget.tokens(False) == int(budget.base_s / budget.token_s) > 450
+    assert budget.tokens(True) == 256  # the shared cap
+    for _ in range(20):  # far slower steps: the floor, never zero
+        budget.observe(100.0, 64)
+    assert budget.tokens(False) == budget.tokens(True) == MIN_PREFILL_TOKENS
+    for _ in range(40):  # far faster: the ceilings (the shared cap, the step's budget)
+        budget.observe(0.0101, 2048)
+    assert budget.tokens(False) == config.max_num_batched_tokens
+    assert budget.tokens(True) == 256
+
+
+def test_without_a_step_target_only_contention_caps() -> None:
+    budget = StepBudget(SchedulerConfig(policy="fair", shared_prefill_tokens=64))
+    assert budget.tokens(False) == 0 and budget.tokens(True) == 64
+    budget.observe(0.010, 0)
+    budget.observe(0.010 + 32 * 0.001, 32)
+    assert budget.tokens(False) == 0 and budget.tokens(True) == 10  # 10 ms
+
+
+def test_a_long_prompt_alone_is_spread_over_steps_of_the_target_length() -> None:
+    """A step takes 1 ms plus 10 ms a prompt token (the fake clock): with a 0.5 s target and
+    nothing else in, each step after the first holds the prompt tokens that fit 0.5 s."""
+    sched = make_scheduler(600, max_num_batched_tokens=512, prefill_step_seconds=0.5)
+    clock = [0.0]
+    sched.clock = lambda: clock[0]
+    runner = FakeRunner(sched.kv)
+    sched.add(make_request("long", 2000, 2))
+    sizes = []
+    while sched.running or sched.waiting:
+        plan = sched.schedule()
+        prefill = sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
+        sizes.append(prefill)
+        clock[0] += 0.01 * prefill + 0.001
+        sched.update(plan, runner.execute(plan))
+    assert sizes[0] == UNMEASURED_TOKENS
+    assert set(sizes[1:-3]) == {49}, sizes  # (0.5 - 0) / 0.01 less the rounding
+    check_no_leak(sched.kv)
 
 
 def test_turns_of_one_client_are_arrival_order_and_a_newcomer_goes_next() -> None:

@@ -35,6 +35,7 @@ def test_every_option_lands_in_its_field() -> None:
             "--swap-space=1GiB",
             "--kv-store=file:/tmp/kv",
             "--cache-write-policy=write_back",
+            "--prefill-step-seconds=0.25",
         ]
     )
     config = engine_config(args, trace="t.jsonl")
@@ -42,6 +43,7 @@ def test_every_option_lands_in_its_field() -> None:
     assert (config.num_threads, config.enable_prefix_caching, config.max_num_seqs) == (2, False, 8)
     assert (config.preemption_mode, config.swap_space) == ("swap", "1GiB")
     assert (config.kv_store, config.cache_write_policy) == ("file:/tmp/kv", "write_back")
+    assert config.prefill_step_seconds == 0.25
     assert config.trace == "t.jsonl"  # an override for a field no option defines
 
 
@@ -51,6 +53,14 @@ def test_defaults_are_the_configs_except_where_a_command_says() -> None:
     bench = _parse([], kv_cache_memory="2GiB", tiers=False)
     assert not hasattr(bench, "kv_store")
     assert engine_config(bench).kv_cache_memory == "2GiB"
+    served = engine_config(_parse([], prefill_step_seconds=0.5))  # as `pagekv serve` says
+    assert served.prefill_step_seconds == 0.5
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), True, "1"])
+def test_bad_step_targets_are_refused(value: object) -> None:
+    with pytest.raises(InvalidRequestError, match="prefill_step_seconds"):
+        EngineConfig(prefill_step_seconds=value)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5])
