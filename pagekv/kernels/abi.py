@@ -21,6 +21,7 @@ class StepAttention(ctypes.Structure):
 
     _fields_ = [
         ("caches", ctypes.c_void_p),  # int64 [layers, 2]: each layer's K and V cache addresses
+        ("scales", ctypes.c_void_p),  # int64 [layers, 2]: their scales' (8-bit caches), or null
         ("slots", ctypes.c_void_p),  # int64 [num_seqs]: where this step's K/V rows go
         ("tables", ctypes.c_void_p),  # int32 [num_seqs, table_stride]
         ("seq_lens", ctypes.c_void_p),  # int32 [num_seqs]
@@ -35,6 +36,7 @@ class StepAttention(ctypes.Structure):
         ("head_dim", ctypes.c_int32),
         ("bf16", ctypes.c_int32),
         ("threads", ctypes.c_int32),
+        ("kv_format", ctypes.c_int32),  # KvFormat: 0 the activations' type, 1 int8, 2 fp8
         ("scale", ctypes.c_float),
     ]
 

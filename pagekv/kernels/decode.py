@@ -28,7 +28,17 @@ from pagekv.models.layer_ops import NativeAttention
 
 DISABLE_ENV = "PAGEKV_CPU_KERNEL"
 
-_ENTRIES = {torch.float32: "decode_f32", torch.bfloat16: "decode_bf16"}  # by cache dtype
+# by (query dtype, cache dtype): float rows in the queries' dtype, or 8-bit rows (int8, or
+# fp8 e4m3 bits in uint8) with fp16 scales
+_ENTRIES = {
+    (torch.float32, torch.float32): "decode_f32",
+    (torch.bfloat16, torch.bfloat16): "decode_bf16",
+    (torch.float32, torch.int8): "decode_f32_int8",
+    (torch.bfloat16, torch.int8): "decode_bf16_int8",
+    (torch.float32, torch.uint8): "decode_f32_fp8",
+    (torch.bfloat16, torch.uint8): "decode_bf16_fp8",
+}
+EIGHT_BIT_FORMATS = {torch.int8: 1, torch.uint8: 2}  # kernels.h's KvFormat
 
 
 @dataclass(frozen=True)
@@ -64,12 +74,13 @@ class DecodeBatch:
 
     def fits(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether q [Q, H, D] and the caches [num_blocks, block_size, KVH, D] are what a C
-        kernel reading this batch may trust: one dtype, contiguous, Q rows for its queries,
-        int32 tables with a row per sequence."""
+        kernel reading this batch may trust: one dtype (or 8-bit caches), contiguous, Q rows for
+        its queries, int32 tables with a row per sequence."""
         tables, seq_lens = self.block_tables, self.seq_lens
         num_seqs = seq_lens.shape[0]
         return (
-            q.dtype == k_cache.dtype == v_cache.dtype
+            (q.dtype, k_cache.dtype) in _ENTRIES
+            and k_cache.dtype == v_cache.dtype
             and v_cache.shape == k_cache.shape
             and all(t.is_contiguous() for t in (q, k_cache, v_cache, seq_lens))
             and tables.dtype == seq_lens.dtype == torch.int32
@@ -123,14 +134,17 @@ class DecodeKernel:
     head size ``kernels.h`` lists (PAGEKV_HEAD_DIMS), in float32 and bfloat16."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions = {dtype: getattr(library, name) for dtype, name in _ENTRIES.items()}
+        self._functions = {pair: getattr(library, name) for pair, name in _ENTRIES.items()}
         self._head_dim = build.head_dims(library.decode_head_dim)
         self._write_rows = library.write_rows
+        self._quantize_kv = library.quantize_kv
         self._step_attention = ctypes.cast(library.step_attention, ctypes.c_void_p).value or 0
         self._argmax_bf16 = library.argmax_bf16_rows
 
-    def supports(self, dtype: torch.dtype, head_dim: int) -> bool:
-        return dtype in self._functions and self._head_dim(head_dim)
+    def supports(self, dtype: torch.dtype, head_dim: int, query: torch.dtype | None = None) -> bool:
+        """Whether the kernel reads caches of ``dtype`` (8-bit: for queries of ``query``) with
+        heads of ``head_dim``."""
+        return (query or dtype, dtype) in self._functions and self._head_dim(head_dim)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x.argmax(dim=-1)`` of bfloat16 [B, V] (the first maximum; NaN counts as the
@@ -170,6 +184,45 @@ class DecodeKernel:
             raise ValueError(f"KV write: a slot outside the cache's {num_slots} slots")
         return True
 
+    def quantize_kv(
+        self,
+        caches: tuple[torch.Tensor, ...],
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> bool:
+        """``attention.write_kv`` into 8-bit caches (k_cache, v_cache, k_scale, v_scale) in one
+        C call, the same bytes in the same slots; False (nothing written) where the tensors are
+        not what it takes. A slot out of range raises ValueError before anything is written."""
+        if len(caches) != 4:
+            return False
+        k_cache, v_cache, k_scale, v_scale = caches
+        tokens = k.shape[0]
+        if not (
+            k_cache.dtype in EIGHT_BIT_FORMATS
+            and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.dtype == v_cache.dtype
+            and k_scale.dtype == v_scale.dtype == torch.float16
+            and k_cache.shape == v_cache.shape
+            and k_scale.shape == v_scale.shape == k_cache.shape[:3]
+            and k.shape == v.shape == (tokens, *k_cache.shape[2:])
+            and slot_mapping.dtype == torch.int64
+            and slot_mapping.shape == (tokens,)
+            and all(t.is_contiguous() for t in (k, v, *caches, slot_mapping))
+        ):
+            return False
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        row, head_dim = k_cache.shape[2] * k_cache.shape[3], k_cache.shape[3]
+        args = (k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        status = self._quantize_kv(
+            *(t.data_ptr() for t in args), tokens, row, head_dim, num_slots,
+            int(k.dtype == torch.bfloat16), EIGHT_BIT_FORMATS[k_cache.dtype],
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"KV write: a slot outside the cache's {num_slots} slots")
+        return True
+
     def step_attention(
         self,
         caches: CacheAddresses,
@@ -177,17 +230,25 @@ class DecodeKernel:
         batch: DecodeBatch,
         num_heads: int,
         scale: float,
+        scales: CacheAddresses | None = None,
+        activations: torch.dtype | None = None,
     ) -> NativeAttention | None:
         """A decode step's attention for C code to call layer by layer (decode.cpp's
-        ``step_attention``: ``write_kv``, then this kernel, its output in the caches' dtype),
-        one query token per sequence. None where the kernel does not take these tensors."""
+        ``step_attention``: ``write_kv``, or ``quantize_kv`` for 8-bit caches with ``scales``
+        and the model's ``activations`` dtype, then this kernel, its output in the activations'
+        dtype), one query token per sequence. None where the kernel does not take these
+        tensors."""
         k_cache, v_cache = caches.first
         _, block_size, num_kv_heads, head_dim = k_cache.shape
         num_seqs = batch.seq_lens.shape[0]
         tables, seq_lens = batch.block_tables, batch.seq_lens
-        q_like = torch.empty((num_seqs, num_heads, head_dim), dtype=k_cache.dtype)
+        eight_bit = k_cache.dtype in EIGHT_BIT_FORMATS
+        dtype = activations if eight_bit else k_cache.dtype
+        if dtype is None or eight_bit != (scales is not None):
+            return None
+        q_like = torch.empty((num_seqs, num_heads, head_dim), dtype=dtype)
         if not (
-            self.supports(k_cache.dtype, head_dim)
+            self.supports(k_cache.dtype, head_dim, dtype)
             and batch.query_lens is None
             and batch.fits(q_like, k_cache, v_cache)
             and slot_mapping.dtype == torch.int64
@@ -198,6 +259,7 @@ class DecodeKernel:
             return None
         step = abi.StepAttention(
             caches.table.data_ptr(),
+            0 if scales is None else scales.table.data_ptr(),
             slot_mapping.data_ptr(),
             tables.data_ptr(),
             seq_lens.data_ptr(),
@@ -210,12 +272,13 @@ class DecodeKernel:
             block_size,
             batch.max_seq_len,
             head_dim,
-            int(k_cache.dtype == torch.bfloat16),
+            int(dtype == torch.bfloat16),
             torch.get_num_threads(),
+            EIGHT_BIT_FORMATS.get(k_cache.dtype, 0),
             scale,
         )
-        keep = (step, caches, slot_mapping, tables, seq_lens)
-        return NativeAttention(self._step_attention, ctypes.addressof(step), k_cache.dtype, keep)
+        keep = (step, caches, scales, slot_mapping, tables, seq_lens)
+        return NativeAttention(self._step_attention, ctypes.addressof(step), dtype, keep)
 
     def __call__(
         self,
@@ -226,10 +289,12 @@ class DecodeKernel:
         scale: float,
         start: int = 0,
         lse: torch.Tensor | None = None,
+        scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q [Q, H, D] (Q = B, or ``batch.num_queries`` with query lengths) and caches
         [num_blocks, block_size, KVH, D], all float32 or all bfloat16 (the model's dtype, so no
-        conversion) -> float32 [Q, H, D].
+        conversion), or 8-bit caches (int8, or fp8 e4m3 bits in uint8) with ``scales``, their
+        float16 [num_blocks, block_size, KVH] -> float32 [Q, H, D].
 
         All contiguous on CPU; only positions [start, seq_len) are read (start below every
         sequence's first query position). Scores, softmax and the sum of values are float32
@@ -247,13 +312,14 @@ class DecodeKernel:
             and (lse is None or (lse.dtype == torch.float32 and lse.shape == q.shape[:2]))
             and (lse is None or lse.is_contiguous())
             and (start == 0 or 0 < start < int(first.min()))
+            and (k_cache.dtype in EIGHT_BIT_FORMATS) == (scales is not None)
+            and (scales is None or _scales_fit(scales, k_cache))
         ):
             raise ValueError("decode kernel: wrong dtype, shape or layout of its inputs")
         out = torch.empty(q.shape, dtype=torch.float32)  # [Q, H, D]
-        status = self._functions[k_cache.dtype](
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
+        tensors = (q, k_cache, v_cache) if scales is None else (q, k_cache, v_cache, *scales)
+        status = self._functions[q.dtype, k_cache.dtype](
+            *(t.data_ptr() for t in tensors),
             batch.block_tables.data_ptr(),
             batch.seq_lens.data_ptr(),
             None if query_lens is None else query_lens.data_ptr(),
@@ -274,6 +340,13 @@ class DecodeKernel:
         if status != 0:
             raise ValueError(f"decode kernel: no kernel for head_dim {head_dim}")
         return out
+
+
+def _scales_fit(scales: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor) -> bool:
+    return all(
+        t.dtype == torch.float16 and t.shape == k_cache.shape[:3] and t.is_contiguous()
+        for t in scales
+    )
 
 
 def load(target: str | None = None) -> DecodeKernel | None:

@@ -40,12 +40,14 @@ def describe(
     packed: Packed,
     *,
     head_dim: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> dict[str, str]:
-    """The kernels a runner uses for its KV cache's ``dtype`` and ``head_dim`` (the same
-    questions ``FastAttention`` asks at every step): every value a short phrase, for stats()
-    and the line."""
-    decode_ok = decode is not None and decode.supports(dtype, head_dim)
-    prefill_ok = prefill is not None and prefill.supports_prefill(dtype, head_dim)
+    """The kernels a runner uses for the model's ``dtype``, its KV blocks' ``kv_dtype`` (default:
+    the model's; 8-bit: int8, or fp8 bits in uint8) and ``head_dim`` (the same questions
+    ``FastAttention`` asks at every step): every value a short phrase, for stats() and the line."""
+    kv = kv_dtype or dtype
+    decode_ok = decode is not None and decode.supports(kv, head_dim, dtype)
+    prefill_ok = prefill is not None and prefill.supports_prefill(kv, head_dim)
     info = {
         "cpu": isa.cpu_name(),
         "cpu_features": isa.shown_features(),
@@ -56,6 +58,8 @@ def describe(
         "layer_ops": "C++" if fused is not None else "torch",
         "matmul": matmul_kind(packed, getattr(fused, "matmul_unit", None)),
     }
+    if kv != dtype:
+        info["kv_cache_dtype"] = {torch.uint8: "fp8"}.get(kv, str(kv).removeprefix("torch."))
     failed = [
         f"{name} ({target_})" for (name, target_), why in build.outcomes().items() if why != "ok"
     ]
@@ -105,6 +109,8 @@ def line(info: dict[str, str], dtype: torch.dtype) -> str:
     else:
         where = f"CPU: {info['cpu']} ({info['cpu_features']})"
         where += f"; kernel target {info['kernel_target']}"
+    if "kv_cache_dtype" in info:
+        dtype_name += f" (KV blocks {info['kv_cache_dtype']})"
     text = (
         f"{where}; {dtype_name}, head_dim {info['head_dim']}: decode attention "
         f"{info['decode_attention']}, prefill attention {info['prefill_attention']}, "

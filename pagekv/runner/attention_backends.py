@@ -136,24 +136,23 @@ class CpuKernelBackend(Backend):
             raise ValueError("the fast attention runs on the CPU only")
         self.kernel = decode_kernel.load()
         self.prefill_kernel = prefill_kernel.load()
-        if setup.kv.quantized:
-            logger.warning(
-                "KV blocks in 8 bits: on the CPU attention reads them in torch (no C kernel "
-                "does yet), so decoding over a long context is slower than over float blocks"
-            )
-        # The pool's addresses for C code that runs a decode step's layers and calls the
-        # decode kernel itself; None where it may not (a layer windowed or capped, no kernel,
-        # PAGEKV_LAYER_STACK=0).
+        # The pool's addresses (and an 8-bit pool's scales') for C code that runs a decode
+        # step's layers and calls the decode kernel itself; None where it may not (a layer
+        # windowed or capped, no kernel, PAGEKV_LAYER_STACK=0).
         self.cache_addresses: CacheAddresses | None = None
+        self.scale_addresses: CacheAddresses | None = None
+        kv = setup.kv
         if (
             self.kernel is not None
-            and not setup.kv.quantized
             and all(w is None for w in setup.windows)
             and setup.softcap is None
             and os.environ.get(STACK_ENV, "1") != "0"
         ):
-            pairs = list(zip(setup.kv.k, setup.kv.v, strict=True))
-            self.cache_addresses = CacheAddresses.of(pairs)
+            self.cache_addresses = CacheAddresses.of(list(zip(kv.k, kv.v, strict=True)))
+            if kv.quantized:
+                self.scale_addresses = CacheAddresses.of(
+                    list(zip(kv.k_scale, kv.v_scale, strict=True))
+                )
 
     def step(self, inputs: StepInputs) -> StepAttention:
         setup, kernel, slots = self.setup, self.kernel, inputs.slot_mapping
@@ -162,19 +161,20 @@ class CpuKernelBackend(Backend):
         # a window at least as long as every sequence of the step cuts nothing off
         whole = tuple(setup.softcap is None and (w is None or w >= longest) for w in setup.windows)
         reference = self._reference(inputs)
+        kv = setup.kv
         native = None  # every layer through the decode kernel: C code may call it itself
         if self.cache_addresses is not None and all(whole):
             native = fast.native(
-                self.cache_addresses, slots, inputs.input_ids.shape[0], setup.num_heads
-            )
-        kv = setup.kv
+                self.cache_addresses, slots, inputs.input_ids.shape[0], setup.num_heads,
+                self.scale_addresses, kv.activations,
+            )  # fmt: skip
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if kv.quantized:  # 8-bit blocks: the reference reads them (no kernel does yet)
-                kv.write(layer, k, v, slots)
-                return reference(layer, q, kv.caches(layer))
-            caches = (kv.k[layer], kv.v[layer])
-            if kernel is None or not kernel.write_kv(*caches, k, v, slots):
+            caches = kv.caches(layer)
+            if kv.quantized:  # rounded to 8 bits by C where it takes the tensors, else torch
+                if kernel is None or not kernel.quantize_kv(caches, k, v, slots):
+                    kv.write(layer, k, v, slots)
+            elif kernel is None or not kernel.write_kv(caches[0], caches[1], k, v, slots):
                 write_kv(*caches, k, v, slots)
             if whole[layer]:
                 return fast(q, k, v, caches)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from pagekv.kernels.decode import CacheAddresses, DecodeBatch, DecodeKernel
 from pagekv.kernels.prefill import PrefillBatch, PrefillKernel
 from pagekv.models.layer_ops import NativeAttention
+from pagekv.runner.attention import dequantize
 
 # Decode rows below this go through the decode kernel alone even when they share a prefix:
 # the prefill kernel takes 16 (row, query head) pairs at a time, and packing the prefix is not
@@ -132,11 +133,14 @@ class FastAttention:
         slot_mapping: torch.Tensor,
         num_tokens: int,
         num_heads: int,
+        scales: CacheAddresses | None = None,
+        activations: torch.dtype | None = None,
     ) -> NativeAttention | None:
         """This step's attention for a layer stack's C code (``DecodeKernel.step_attention``)
         where every layer of it would go through the decode kernel alone, as ``__call__``
         chooses: a decode step of one query token per sequence, no cascade over a shared
-        prefix. None otherwise."""
+        prefix. None otherwise. 8-bit caches: with their ``scales`` and the model's
+        ``activations`` dtype."""
         layout, kernel = self.layout, self.kernel
         k_cache = caches.first[0]
         if (
@@ -147,7 +151,9 @@ class FastAttention:
             or self._cascades(num_tokens, k_cache.dtype, k_cache.shape[-1])
         ):
             return None
-        return kernel.step_attention(caches, slot_mapping, layout.decode, num_heads, self.scale)
+        return kernel.step_attention(
+            caches, slot_mapping, layout.decode, num_heads, self.scale, scales, activations
+        )
 
     def _cascades(self, rows: int, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether decode rows attend a shared prefix by cascade attention."""
@@ -164,21 +170,23 @@ class FastAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        caches: tuple[torch.Tensor, torch.Tensor],
+        caches: tuple[torch.Tensor, ...],
     ) -> torch.Tensor:
         """Causal attention of this step's queries over their sequences' cached histories.
 
         q: [T, H, D]; k, v: this step's new [T, KVH, D] (already written to the caches);
-        caches: (k_cache, v_cache), each [num_blocks, block_size, KVH, D]. Without a kernel (or
-        one lacking this dtype/head dim) decode rows use torch ops. Returns [T, H, D], q's dtype.
+        caches: (k_cache, v_cache), each [num_blocks, block_size, KVH, D], or 8-bit caches and
+        their scales (k_cache, v_cache, k_scale, v_scale), whose rows every path reads
+        widened (prefill chunks too: as the reference, each token sees its keys rounded).
+        Without a kernel (or one lacking this dtype/head dim) decode rows use torch ops.
+        Returns [T, H, D], q's dtype.
         """
-        k_cache, v_cache = caches
         nd = self.layout.num_decode
         if 0 < nd == q.shape[0]:  # a decode step (the common one): no slices, no copies
-            return self._decode(q, k_cache, v_cache, None)
+            return self._decode(q, caches, None)
         out = torch.empty_like(q)  # [T, H, D]
         if nd:
-            self._decode(q[:nd], k_cache, v_cache, out[:nd])
+            self._decode(q[:nd], caches, out[:nd])
         if not self.layout.prefill or self._prefill_by_kernel(q, caches, out):
             return out
         for group in self._groups:
@@ -191,14 +199,18 @@ class FastAttention:
         return out
 
     def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor | None,
+        self, q: torch.Tensor, caches: tuple[torch.Tensor, ...], out: torch.Tensor | None
     ) -> torch.Tensor:
         """The decode rows q [nd, H, D] -> their outputs in q's dtype, in ``out`` if given."""
         batch, prefill, kernel = self.layout.decode, self.prefill_kernel, self.kernel
+        k_cache, v_cache = caches[:2]
+        if len(caches) == 4:  # 8-bit blocks: the decode kernel reads them with their scales
+            scales = (caches[2], caches[3])
+            if kernel is not None and kernel.supports(k_cache.dtype, q.shape[-1], q.dtype):
+                got = kernel(q.contiguous(), k_cache, v_cache, batch, self.scale, scales=scales)
+            else:
+                got = decode_attention_torch(q, k_cache, v_cache, batch, self.scale, scales)
+            return got.to(q.dtype) if out is None else out.copy_(got)
         # Drafted rows (two or more query tokens per sequence on average) that share no prefix,
         # in bf16: through the prefill kernel's tiles, each history packed once per kv head.
         if (
@@ -237,12 +249,13 @@ class FastAttention:
         return kernel(q, k_cache, v_cache, batch, self.scale)
 
     def _prefill_by_kernel(
-        self, q: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor
+        self, q: torch.Tensor, caches: tuple[torch.Tensor, ...], out: torch.Tensor
     ) -> bool:
         """All prefill rows of ``out`` by the prefill kernel, if it takes this step."""
-        kernel, (k_cache, v_cache) = self.prefill_kernel, caches
+        kernel, (k_cache, v_cache) = self.prefill_kernel, caches[:2]
         if (
             kernel is None
+            or len(caches) != 2
             or not kernel.supports_prefill(k_cache.dtype, q.shape[-1])
             or not out.is_contiguous()
         ):
@@ -264,17 +277,18 @@ def _prefill_chunk(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    caches: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, ...],
     chunk: PrefillChunk,
     scale: float,
 ) -> torch.Tensor:
     """q [L, H, D], k/v [L, KVH, D] -> [L, H, D]. Without history the chunk's own K/V are the
-    whole sequence; with history, read all seq_len slots (new ones included) via the blocks."""
-    mask = None
-    if chunk.mask is not None:
-        k = _read_blocks(caches[0], chunk.block_ids, chunk.seq_len)  # [S, KVH, D]
-        v = _read_blocks(caches[1], chunk.block_ids, chunk.seq_len)
-        mask = chunk.mask
+    whole sequence (8-bit caches: their rounded rows); with history, read all seq_len slots (new
+    ones included) via the blocks."""
+    mask = chunk.mask
+    if mask is not None or len(caches) == 4:
+        blocks = chunk.block_ids
+        k = _read_blocks(caches, 0, blocks, q.dtype).flatten(0, 1)[: chunk.seq_len]  # [S, KVH, D]
+        v = _read_blocks(caches, 1, blocks, q.dtype).flatten(0, 1)[: chunk.seq_len]
     # 4-D inputs: torch's CPU flash kernel only takes [batch, heads, len, dim]; 3-D inputs
     # silently fall back to the slower, unfused math path.
     out = F.scaled_dot_product_attention(
@@ -293,7 +307,7 @@ def _prefill_group(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    caches: tuple[torch.Tensor, torch.Tensor],
+    caches: tuple[torch.Tensor, ...],
     group: _ChunkGroup,
     scale: float,
 ) -> torch.Tensor:
@@ -303,12 +317,17 @@ def _prefill_group(
     count, length, seq_len = len(group.chunks), first.num_tokens, first.seq_len
     heads, head_dim = q.shape[1:]
     queries = q.index_select(0, group.rows).view(count, length, heads, head_dim)
-    if group.block_ids is None:  # whole prompts: their own K/V, causal
+    if group.block_ids is None and len(caches) == 2:  # whole prompts: their own K/V, causal
         keys = k.index_select(0, group.rows).view(count, length, *k.shape[1:])
         values = v.index_select(0, group.rows).view(count, length, *v.shape[1:])
-    else:  # cached history: every chunk's seq_len slots through its blocks
-        keys = _read_group_blocks(caches[0], group.block_ids, count, seq_len)
-        values = _read_group_blocks(caches[1], group.block_ids, count, seq_len)
+    else:  # cached history (or 8-bit rows): every chunk's seq_len slots through its blocks
+        ids = group.block_ids
+        if ids is None:
+            ids = torch.cat([chunk.block_ids for chunk in group.chunks])
+        keys, values = (
+            _read_blocks(caches, i, ids, q.dtype).view(count, -1, *k.shape[1:])[:, :seq_len]
+            for i in (0, 1)
+        )
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),  # [G, H, L, D]
         keys.transpose(1, 2),  # [G, KVH, S, D]
@@ -321,18 +340,15 @@ def _prefill_group(
     return out.transpose(1, 2).reshape(count * length, heads, head_dim)
 
 
-def _read_group_blocks(
-    cache: torch.Tensor, block_ids: torch.Tensor, count: int, seq_len: int
+def _read_blocks(
+    caches: tuple[torch.Tensor, ...], which: int, block_ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """cache [num_blocks, bs, KVH, D], block_ids [count * nb] -> [count, seq_len, KVH, D]."""
-    blocks = cache.index_select(0, block_ids)  # [count * nb, bs, KVH, D]
-    return blocks.view(count, -1, *cache.shape[2:])[:, :seq_len]
-
-
-def _read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """cache [num_blocks, bs, KVH, D], block_ids int64 [nb] -> [seq_len, KVH, D] (a copy)."""
-    blocks = cache.index_select(0, block_ids)  # [nb, bs, KVH, D]
-    return blocks.flatten(0, 1)[:seq_len]
+    """K (``which`` 0) or V (1) of the blocks ``block_ids`` (int64 [nb]) -> [nb, bs, KVH, D] (a
+    copy); 8-bit caches (with their scales in ``caches[2:]``) widened to ``dtype``."""
+    blocks = caches[which].index_select(0, block_ids)
+    if len(caches) == 2:
+        return blocks
+    return dequantize(blocks, caches[2 + which].index_select(0, block_ids)).to(dtype)
 
 
 def decode_attention_torch(
@@ -341,17 +357,22 @@ def decode_attention_torch(
     v_cache: torch.Tensor,
     batch: DecodeBatch,
     scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The kernel's contract in torch ops, for when it is unavailable: gathers whole blocks
-    (not positions) and computes in float32. q [Q, H, D] -> float32 [Q, H, D]."""
+    (not positions) and computes in float32; 8-bit caches widened by their ``scales``.
+    q [Q, H, D] -> float32 [Q, H, D]."""
     batch = batch.per_query()  # one row per query token
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_blocks = -(-batch.max_seq_len // block_size)
     tables = batch.block_tables[:, :num_blocks].long()  # [B, nb]
     span = num_blocks * block_size
-    keys = k_cache[tables].view(num_seqs, span, num_kv_heads, head_dim)  # [B, S, KVH, D]
-    values = v_cache[tables].view(num_seqs, span, num_kv_heads, head_dim)
+    keys, values = k_cache[tables], v_cache[tables]  # [B, nb, bs, KVH, D]
+    if scales is not None:
+        keys, values = dequantize(keys, scales[0][tables]), dequantize(values, scales[1][tables])
+    keys = keys.view(num_seqs, span, num_kv_heads, head_dim)  # [B, S, KVH, D]
+    values = values.view(num_seqs, span, num_kv_heads, head_dim)
     valid = torch.arange(span) < batch.seq_lens[:, None]  # [B, S]
     # A slot past seq_len may hold anything, NaN included, and 0 * NaN is NaN: zero it.
     values = torch.where(valid[:, :, None, None], values.float(), 0.0)

@@ -84,6 +84,7 @@ class KVCache:
         self.head_dim = head_dim
         self.quantized = storage_dtype(kv_dtype, dtype) in EIGHT_BIT
         self.dtype = storage_dtype(kv_dtype, dtype)  # the K/V planes' (int8: quantized)
+        self.activations = dtype  # the model's: what rows arrive in and attention returns
         self.device = torch.device(device)
         self.pinned = pinned  # page-locked host memory (a GPU's host pool)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)

@@ -174,10 +174,10 @@ class ModelRunner:
         decode, prefill = (None, None)
         if isinstance(backend, CpuKernelBackend):
             decode, prefill, target = backend.kernel, backend.prefill_kernel, isa.selected()
-            if self.kv.quantized:  # 8-bit blocks: attention in torch (no kernel reads them yet)
-                decode, prefill = None, None
         kernels = (decode, prefill, ops)
-        info = report.describe(target, self.dtype, *kernels, first, head_dim=head_dim)
+        info = report.describe(
+            target, self.dtype, *kernels, first, head_dim=head_dim, kv_dtype=self.kv.dtype
+        )
         return {**info, **report.describe_weights(self.model)}
 
     def _speed_up_model(self, int8_activations: bool) -> None:

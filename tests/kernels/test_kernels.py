@@ -192,7 +192,7 @@ class _DecodeOf64:
     """A decode kernel as the report sees it: one that takes head_dim 64 only."""
 
     @staticmethod
-    def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    def supports(dtype: torch.dtype, head_dim: int, query: torch.dtype | None = None) -> bool:
         return head_dim == 64
 
 
@@ -208,6 +208,13 @@ def test_the_line_names_the_cpu_target_and_kernels() -> None:
     wide = report.describe("avx2", torch.float32, _DecodeOf64(), None, None, stripes, head_dim=96)
     assert wide["decode_attention"] == "torch" and "head_dim 96: decode attention torch" in (
         report.line(wide, torch.float32)
+    )
+    # 8-bit KV blocks are named beside the model's dtype
+    kv8 = report.describe(
+        "avx2", torch.bfloat16, _DecodeOf64(), None, None, stripes, head_dim=64, kv_dtype=torch.int8
+    )
+    assert "bfloat16 (KV blocks int8), head_dim 64: decode attention C++" in (
+        report.line(kv8, torch.bfloat16)
     )
     assert report.matmul_kind(torch.empty(2, 3, 16, 32), "amx") == "tiles (amx)"
     assert report.matmul_kind(None, None) == "torch"

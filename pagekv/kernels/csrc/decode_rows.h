@@ -27,8 +27,8 @@ static long values_in_l2_bytes() {
 // Scores of `group` query heads (rows of q) against up to 16 key rows: s[g * stride + t], each
 // one chain of FMAs over the query's vectors, then one horizontal sum in reduce_add's order. A
 // query row's vectors stay in registers across the key rows.
-template <int D, typename KV>
-static inline void scores16(Portable, const KV* q, const KV* const* rows, int count,
+template <int D, typename Q, typename KV>
+static inline void scores16(Portable, const Q* q, const KV* const* rows, int count,
                             int group, float scale, float* s, long stride) {
     static_assert(D % VF::W == 0, "head dim: whole vectors");
     for (int g = 0; g < group; ++g) {
@@ -43,10 +43,36 @@ static inline void scores16(Portable, const KV* q, const KV* const* rows, int co
     }
 }
 
+// int8 key rows: each query row (of D numbers) is rounded once to int16 steps of its own scale
+// (amax / 32767, far finer than the keys' int8 steps), so that a score is a sum of integer
+// products, exact in int32 (|sum| <= 256 * 32767 * 127 < 2^31), times the two scales.
+template <int D, typename Q>
+static inline void quantize_query(const Q* q, int16_t* q16, float* q_scale) {
+    float amax = 0.f;
+    for (int d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(load(q[d])));
+    const float step = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int d = 0; d < D; ++d) q16[d] = int16_t(__builtin_nearbyintf(load(q[d]) * inv));
+    *q_scale = step;
+}
+
+// Scores of `group` int16 query rows (q16, D apart; q_scale[g] each) against up to 16 int8 key
+// rows (k_scale[t] each): s[g * stride + t] = (q16 . k) * (q_scale[g] * scale) * k_scale[t].
+template <int D>
+static inline void scores16_i8(Portable, const int16_t* q, const float* q_scale,
+                               const int8_t* const* rows, const float* k_scale, int count,
+                               int group, float scale, float* s, long stride) {
+    for (int g = 0; g < group; ++g)
+        for (int t = 0; t < count; ++t) {
+            int32_t sum = 0;
+            for (int d = 0; d < D; ++d) sum += int32_t(q[g * D + d]) * int32_t(rows[t][d]);
+            s[g * stride + t] = float(sum) * (q_scale[g] * scale) * k_scale[t];
+        }
+}
+
 // scores16 for many bfloat16 query rows at once, where a target has a faster way for them:
 // here none (false: the caller takes scores16).
-template <int D, typename KV>
-static inline bool scores16_pairs(Portable, const KV*, const KV* const*, int, int, float, float*,
+template <int D, typename Q, typename KV>
+static inline bool scores16_pairs(Portable, const Q*, const KV* const*, int, int, float, float*,
                                   long) {
     return false;
 }
@@ -125,6 +151,12 @@ static inline void softmax_rows(float* scores, int rows, int len, long stride, f
         for (int pos = 0; pos < len; pos += W)
             (VF::load_first(x + pos, len - pos) * inv).store_first(x + pos, len - pos);
     }
+}
+
+// x[i] *= f[i] for i < len.
+static inline void multiply_row(float* x, const float* f, int len) {
+    for (int i = 0; i < len; i += VF::W)
+        (VF::load_first(x + i, len - i) * VF::load_first(f + i, len - i)).store_first(x + i, len - i);
 }
 
 // Into L2, the rows of kv head `kvh` at positions [first, end): blocks sit anywhere in the

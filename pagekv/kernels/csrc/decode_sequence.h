@@ -24,17 +24,27 @@
 // can share one sequence, each number computed as it is by one thread alone (one_sequence).
 // `slots` (room for seq_len) holds each position's cache slot, walked from the block table
 // once; `qbuf` (room for qlen * heads * D) the queries of each kv head, token by token.
-template <typename KV, int D>
+// Queries are Q (float32 or bfloat16), cached rows KV: Q too, or 8 bits (int8_t, fp8e4m3) with
+// an fp16 scale per slot and kv head in ks and vs ([slot][kv head]; null for float rows). An
+// 8-bit row's scale multiplies its scores (as they are computed) and its probabilities (after
+// the softmax, from `vscales`, [kv head][len]), never its elements.
+template <typename Q, typename KV, int D>
 struct Sequence {
-    const KV *q, *kc, *vc;
+    const Q* q;
+    const KV *kc, *vc;
+    const uint16_t *ks, *vs;
     int seq_len, qlen, start;
     const Shape& sh;
     float scale;
     float* scores;  // [kv head][qlen * group][len]
+    float* vscales;
     long* slots;
-    KV* qbuf;
+    Q* qbuf;
+    int16_t* q16;  // int8 rows: the queries in int16 steps (quantize_query), [row][D]
+    float* q16_scales;
     float* out;
     float* lse;
+    static constexpr bool INT8 = std::is_same_v<KV, int8_t>;
 
     int len() const { return seq_len - start; }
     int rows_per_kvh() const { return qlen * sh.group; }
@@ -52,10 +62,17 @@ struct Sequence {
             for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
         }
         const int g = sh.group;
-        for (int kvh = 0; kvh < sh.kv_heads && qlen > 1; ++kvh)  // only qlen > 1 reads it
-            for (int t = 0; t < qlen; ++t)
-                std::memcpy(qbuf + (long(kvh) * rows_per_kvh() + t * g) * D,
-                            q + t * q_stride() + long(kvh) * g * D, sizeof(KV) * g * D);
+        for (int kvh = 0; kvh < sh.kv_heads && (qlen > 1 || INT8); ++kvh)
+            for (int t = 0; t < qlen; ++t) {  // each kv head's rows, token after token
+                const long row = long(kvh) * rows_per_kvh() + t * g;
+                const Q* from = q + t * q_stride() + long(kvh) * g * D;
+                if constexpr (INT8) {
+                    for (int h = 0; h < g; ++h)
+                        quantize_query<D>(from + h * D, q16 + (row + h) * D, q16_scales + row + h);
+                } else {  // only qlen > 1 reads it
+                    std::memcpy(qbuf + row * D, from, sizeof(Q) * g * D);
+                }
+            }
     }
 
     // Scores of kv heads [k0, k1) at positions [first0, end), first0 - start a multiple of 16;
@@ -68,12 +85,34 @@ struct Sequence {
                 const int count = rows16<KV, D>(kc, slots, first, end, sh.token_stride, kvh, rows);
                 if (prefetch_values)
                     prefetch_rows<KV, D>(vc, slots, first, first + count, sh.token_stride, kvh);
-                const KV* qh = qlen > 1 ? qbuf + long(kvh) * rows_per_kvh() * D
-                                        : q + long(kvh) * sh.group * D;
+                const Q* qh = qlen > 1 ? qbuf + long(kvh) * rows_per_kvh() * D
+                                       : q + long(kvh) * sh.group * D;
                 float* s = scores_of(kvh) + (first - start);
-                if (!scores16_pairs<D>(Native{}, qh, rows, count, rows_per_kvh(), scale, s, len()))
+                alignas(64) float k_scale[16];
+                if (ks != nullptr) row_scales(first, count, kvh, k_scale);
+                if constexpr (INT8) {
+                    const long row = long(kvh) * rows_per_kvh();
+                    scores16_i8<D>(Native{}, q16 + row * D, q16_scales + row, rows, k_scale,
+                                   count, rows_per_kvh(), scale, s, len());
+                } else if (!scores16_pairs<D>(Native{}, qh, rows, count, rows_per_kvh(), scale, s,
+                                              len())) {
                     scores16<D>(Native{}, qh, rows, count, rows_per_kvh(), scale, s, len());
+                }
+                if (ks != nullptr && !INT8)  // fp8: the keys' scales after the sums
+                    for (int r = 0; r < rows_per_kvh(); ++r)
+                        multiply_row(s + long(r) * len(), k_scale, count);
             }
+    }
+
+    // 8-bit rows: the scales of kv head kvh's keys at positions [first, first + count) into
+    // k_scale; their values' kept in vscales for the softmax.
+    void row_scales(int first, int count, int kvh, float* k_scale) const {
+        float* vscale = vscales + long(kvh) * len() + (first - start);
+        for (int t = 0; t < count; ++t) {
+            const long at = slots[first + t] * sh.kv_heads + kvh;
+            k_scale[t] = finite_half_to_f32(ks[at]);
+            vscale[t] = finite_half_to_f32(vs[at]);
+        }
     }
 
     // Softmax rows [r0, r1), row r = (kv head r / qlen, token r % qlen): its group's heads.
@@ -82,8 +121,11 @@ struct Sequence {
         for (int r = r0; r < r1; ++r) {
             const int kvh = r / qlen, t = r % qlen;
             float* row_lse = lse == nullptr ? nullptr : lse + t * sh.num_heads + long(kvh) * g;
-            softmax_rows(scores_of(kvh) + long(t) * g * len(), g, len() - (qlen - 1 - t), len(),
-                         row_lse);
+            float* p = scores_of(kvh) + long(t) * g * len();
+            softmax_rows(p, g, len() - (qlen - 1 - t), len(), row_lse);
+            if (vs != nullptr)  // 8-bit rows: each probability times its value's scale
+                for (int h = 0; h < g; ++h)
+                    multiply_row(p + long(h) * len(), vscales + long(kvh) * len(), len());
         }
     }
 
@@ -111,8 +153,8 @@ struct Sequence {
 };
 
 // The whole of one sequence by one thread.
-template <typename KV, int D>
-static void one_sequence(const Sequence<KV, D>& s, const int32_t* table) {
+template <typename Q, typename KV, int D>
+static void one_sequence(const Sequence<Q, KV, D>& s, const int32_t* table) {
     s.walk(table);
     s.score(s.start, s.seq_len, 0, s.sh.kv_heads, s.values_fit_l2(s.len()));
     s.softmax(0, s.sh.kv_heads * s.qlen);
@@ -124,14 +166,14 @@ static void one_sequence(const Sequence<KV, D>& s, const int32_t* table) {
 // kv head and slices of dims (each a multiple of 16 floats): every thread reads about as many
 // K and V bytes as the others, where a split by kv head alone leaves one thread two heads of
 // three. Each number is computed as one_sequence computes it.
-template <int W, typename KV, int D>
-static void weigh_slices(const Sequence<KV, D>& s, int slices, int t, int nt) {
+template <int W, typename Q, typename KV, int D>
+static void weigh_slices(const Sequence<Q, KV, D>& s, int slices, int t, int nt) {
     const int tasks = s.sh.kv_heads * slices;
     for (int task = tasks * t / nt; task < tasks * (t + 1) / nt; ++task)
         s.template weigh<W>(task / slices, task % slices * W);
 }
-template <typename KV, int D>
-static void shared_sequence(const Sequence<KV, D>& s, const int32_t* table) {
+template <typename Q, typename KV, int D>
+static void shared_sequence(const Sequence<Q, KV, D>& s, const int32_t* table) {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     s.walk(table);  // each thread its own slots and queries
     const int blocks = (s.len() + 15) / 16, kvh = s.sh.kv_heads;
@@ -151,18 +193,19 @@ static void shared_sequence(const Sequence<KV, D>& s, const int32_t* table) {
     #pragma omp barrier  // the scores are the next sequence's
 }
 
-template <typename KV, int D>
-static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* tables,
-                   const int32_t* seq_lens, const int32_t* query_lens, float* out, int num_seqs,
-                   int table_stride, int num_heads, int kv_heads, int block_size,
-                   int max_seq_len, int max_query_len, float scale, int num_threads, int start,
-                   float* lse) {
+template <typename Q, typename KV, int D>
+static void decode(const Q* q, const KV* kc, const KV* vc, const uint16_t* ks, const uint16_t* vs,
+                   const int32_t* tables, const int32_t* seq_lens, const int32_t* query_lens,
+                   float* out, int num_seqs, int table_stride, int num_heads, int kv_heads,
+                   int block_size, int max_seq_len, int max_query_len, float scale,
+                   int num_threads, int start, float* lse) {
     const Shape sh{num_heads, kv_heads, num_heads / kv_heads, block_size, long(kv_heads) * D};
     // Sequence b's query tokens start at row first_row[b] of q, out and lse.
     std::vector<long> first_row(num_seqs + 1, 0);
     for (int b = 0; b < num_seqs; ++b)
         first_row[b + 1] = first_row[b] + (query_lens == nullptr ? 1 : query_lens[b]);
     const long rows = long(num_heads) * max_query_len;
+    const long vscale_floats = vs == nullptr ? 0 : long(kv_heads) * (max_seq_len + 1);
     // With fewer sequences than threads, all threads take each sequence in turn
     // (shared_sequence), its scores in one buffer. Otherwise whole sequences are tasks, each
     // streaming its blocks contiguously; threads take them one at a time from a shared counter,
@@ -170,21 +213,27 @@ static void decode(const KV* q, const KV* kc, const KV* vc, const int32_t* table
     // requested then, since a short history ends before the prefetches inside it get ahead
     // (this matters for short histories only).
     const bool share = num_seqs < num_threads;
-    const std::unique_ptr<float[]> shared_scores(new float[share ? rows * (max_seq_len + 1) : 0]);
+    const std::unique_ptr<float[]> shared_scores(
+        new float[share ? rows * (max_seq_len + 1) + vscale_floats : 0]);
     long taken = 0;
     #pragma omp parallel num_threads(num_threads)
     {
         // each thread's scratch, left uninitialized (each part writes before it reads)
-        const std::unique_ptr<float[]> own_scores(new float[share ? 0 : rows * (max_seq_len + 1)]);
+        const std::unique_ptr<float[]> own_scores(
+            new float[share ? 0 : rows * (max_seq_len + 1) + vscale_floats]);
         const std::unique_ptr<long[]> slots(new long[max_seq_len + 1]);
-        const std::unique_ptr<KV[]> qbuf(new KV[rows * D]);
+        const std::unique_ptr<Q[]> qbuf(new Q[rows * D]);
+        const bool int8 = std::is_same_v<KV, int8_t>;
+        const std::unique_ptr<int16_t[]> q16(new int16_t[int8 ? rows * D : 0]);
+        const std::unique_ptr<float[]> q16_scales(new float[int8 ? rows : 0]);
+        float* scores = share ? shared_scores.get() : own_scores.get();
         const auto sequence = [&](int b) {
             const long row = first_row[b];
-            return Sequence<KV, D>{q + row * num_heads * D, kc, vc, seq_lens[b],
-                                   int(first_row[b + 1] - row), start, sh, scale,
-                                   share ? shared_scores.get() : own_scores.get(),
-                                   slots.get(), qbuf.get(), out + row * num_heads * D,
-                                   lse == nullptr ? nullptr : lse + row * num_heads};
+            return Sequence<Q, KV, D>{q + row * num_heads * D, kc, vc, ks, vs, seq_lens[b],
+                                      int(first_row[b + 1] - row), start, sh, scale, scores,
+                                      scores + rows * (max_seq_len + 1), slots.get(), qbuf.get(),
+                                      q16.get(), q16_scales.get(), out + row * num_heads * D,
+                                      lse == nullptr ? nullptr : lse + row * num_heads};
         };
         if (share) {
             for (int b = 0; b < num_seqs; ++b)

@@ -29,6 +29,28 @@ int decode_bf16(const void* q, const void* kc, const void* vc, const int32_t* ta
                 int table_stride, int num_heads, int kv_heads, int block_size, int head_dim,
                 int max_seq_len, int max_query_len, float scale, int num_threads, int start,
                 float* lse);
+// The same over 8-bit caches (int8, or fp8 e4m3 bits) with fp16 scales ks, vs
+// [num_slots][kv_heads]: queries float32 (decode_f32_*) or bfloat16 (decode_bf16_*).
+int decode_f32_int8(const void* q, const void* kc, const void* vc, const void* ks,
+                    const void* vs, const int32_t* tables, const int32_t* seq_lens,
+                    const int32_t* query_lens, float* out, int num_seqs, int table_stride,
+                    int num_heads, int kv_heads, int block_size, int head_dim, int max_seq_len,
+                    int max_query_len, float scale, int num_threads, int start, float* lse);
+int decode_bf16_int8(const void* q, const void* kc, const void* vc, const void* ks,
+                     const void* vs, const int32_t* tables, const int32_t* seq_lens,
+                     const int32_t* query_lens, float* out, int num_seqs, int table_stride,
+                     int num_heads, int kv_heads, int block_size, int head_dim, int max_seq_len,
+                     int max_query_len, float scale, int num_threads, int start, float* lse);
+int decode_f32_fp8(const void* q, const void* kc, const void* vc, const void* ks,
+                   const void* vs, const int32_t* tables, const int32_t* seq_lens,
+                   const int32_t* query_lens, float* out, int num_seqs, int table_stride,
+                   int num_heads, int kv_heads, int block_size, int head_dim, int max_seq_len,
+                   int max_query_len, float scale, int num_threads, int start, float* lse);
+int decode_bf16_fp8(const void* q, const void* kc, const void* vc, const void* ks,
+                    const void* vs, const int32_t* tables, const int32_t* seq_lens,
+                    const int32_t* query_lens, float* out, int num_seqs, int table_stride,
+                    int num_heads, int kv_heads, int block_size, int head_dim, int max_seq_len,
+                    int max_query_len, float scale, int num_threads, int start, float* lse);
 // 1 if the decode kernel takes head_dim (one of PAGEKV_HEAD_DIMS), else 0.
 int decode_head_dim(int head_dim);
 // The first maximum of each bfloat16 row (a NaN counts as the maximum, as in torch).
@@ -38,14 +60,18 @@ int write_rows(const char* k, const char* v, char* kc, char* vc, const int64_t* 
                long tokens, long row_bytes, long num_slots);
 // A decode step's attention as a layer stack calls it, layer after layer: one query token per
 // sequence, the whole of each history, no log-sum-exp (pagekv/kernels/decode.py fills it).
+// The rows a KV cache holds: the activations' type (float32 or bfloat16), or 8 bits with an
+// fp16 scale per slot and kv head (int8 steps, or fp8 e4m3 bits).
+enum KvFormat { KV_ACTIVATIONS = 0, KV_INT8 = 1, KV_FP8 = 2 };
 struct StepAttention {
     const int64_t* caches;  // [layers][2]: each layer's K and V cache addresses
+    const int64_t* scales;  // [layers][2]: their scales' addresses (8-bit caches), or null
     const int64_t* slots;   // [num_seqs]: where this step's K/V rows go
     const int32_t* tables;  // [num_seqs][table_stride]
     const int32_t* seq_lens;
     int64_t num_slots, row_bytes;
     int32_t num_seqs, table_stride, num_heads, kv_heads, block_size, max_seq_len, head_dim,
-        bf16, threads;
+        bf16, threads, kv_format;
     float scale;
 };
 // One layer of a decode step: its new K/V rows into their slots, then the decode kernel into
@@ -53,6 +79,13 @@ struct StepAttention {
 // layer stack (decoder_stack_*) calls for each layer's attention.
 int step_attention(const void* step, int layer, const void* q, const void* k, const void* v,
                    void* out);
+// This step's new K/V rows (k, v: [tokens][row_elements], float32 or, with bf16, bfloat16)
+// rounded to 8 bits (format KV_INT8 or KV_FP8) into their slots of kc and vc, each head's
+// fp16 scale into ks and vs ([num_slots][row_elements / head_dim]), as quantize_rows rounds
+// them. 0, or -1 with nothing written for a slot out of range.
+int quantize_kv(const void* k, const void* v, void* kc, void* vc, void* ks, void* vs,
+                const int64_t* slots, long tokens, long row_elements, long head_dim,
+                long num_slots, int bf16, int format);
 
 // prefill.cpp: attention in tiles. Each returns 0, or -1 where this target has no kernel for
 // the call (the caller keeps SDPA or the decode kernel).

@@ -27,6 +27,15 @@ struct VF {
     static VF load_half(const uint8_t* p) {  // F16C: part of the AVX2 target
         return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p))};
     }
+    static VF load(const int8_t* p) {
+        return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)))};
+    }
+    static VF load(const fp8e4m3* p) {  // as e4m3_to_f32: fp16 bits, widened, times 256
+        const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+        const __m128i mag = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7);
+        const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+        return {_mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.f))};
+    }
     static __m256i first_mask(int n) {
         return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     }
@@ -223,8 +232,8 @@ static inline VF reduce_add8(const VF* v) {
 }
 // Eight key rows at a time, the query's vectors in the outer loop (eight sums, a query vector
 // and a key vector in registers), the eight horizontal sums shared and stored as one vector.
-template <int D, typename KV>
-static inline void scores16(Native, const KV* q, const KV* const* rows, int count, int group,
+template <int D, typename Q, typename KV>
+static inline void scores16(Native, const Q* q, const KV* const* rows, int count, int group,
                             float scale, float* s, long stride) {
     static_assert(D % VF::W == 0 && VF::W == 8, "head dim: whole vectors of eight");
     for (int g = 0; g < group; ++g)
@@ -240,6 +249,32 @@ static inline void scores16(Native, const KV* q, const KV* const* rows, int coun
                 for (int t = 0; t < 8; ++t) acc[t] = fma(qi, VF::load(r[t] + VF::W * i), acc[t]);
             }
             (reduce_add8(acc) * VF::set1(scale)).store_first(s + g * stride + t0, n);
+        }
+}
+
+// scores16_i8 (decode_rows.h): each key row widened to int16 16 numbers at a time and
+// multiplied in pairs into int32 lanes (vpmaddwd), eight rows' sums reduced at once.
+template <int D>
+static inline void scores16_i8(Native, const int16_t* q, const float* q_scale,
+                               const int8_t* const* rows, const float* k_scale, int count,
+                               int group, float scale, float* s, long stride) {
+    static_assert(D % 16 == 0, "head dim: whole int16 vectors");
+    for (int g = 0; g < group; ++g)
+        for (int t0 = 0; t0 < count; t0 += 8) {
+            const int n = count - t0 < 8 ? count - t0 : 8;
+            VF acc[8];
+            for (int t = 0; t < 8; ++t) {
+                const int8_t* k = rows[t0 + (t < n ? t : 0)];  // past the last: its first
+                __m256i sum = _mm256_setzero_si256();
+                for (int i = 0; i < D / 16; ++i) {
+                    const __m256i k16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(k + 16 * i)));
+                    const __m256i q16 = _mm256_loadu_si256((const __m256i*)(q + g * D + 16 * i));
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(q16, k16));
+                }
+                acc[t] = {_mm256_cvtepi32_ps(sum)};
+            }
+            const VF scores = reduce_add8(acc) * VF::set1(q_scale[g] * scale);
+            (scores * VF::load_first(k_scale + t0, n)).store_first(s + g * stride + t0, n);
         }
 }
 

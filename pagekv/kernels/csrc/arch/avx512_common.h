@@ -29,6 +29,15 @@ struct VF {
     static VF load_half(const uint8_t* p) {  // W fp16 -> float32, exact
         return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))};
     }
+    static VF load(const int8_t* p) {
+        return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+    }
+    static VF load(const fp8e4m3* p) {  // as e4m3_to_f32: fp16 bits, widened, times 256
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+        const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+        const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+        return {_mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(mag, sign)), _mm512_set1_ps(256.f))};
+    }
     // lanes [0, min(n, W)) from p, the rest `fill`
     static __mmask16 first_mask(int n) {
         return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
@@ -171,9 +180,11 @@ static inline __m512 load16(const uint16_t* x) {
     const __m256i raw = _mm256_loadu_si256((const __m256i*)x);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+static inline __m512 load16(const int8_t* x) { return VF::load(x).v; }
+static inline __m512 load16(const fp8e4m3* x) { return VF::load(x).v; }
 // q.k for one row, left unreduced: 16 partial sums whose total is the dot product.
-template <int D, typename KV>
-static inline __m512 row_dot(Native, const KV* q, const KV* k) {
+template <int D, typename Q, typename KV>
+static inline __m512 row_dot(Native, const Q* q, const KV* k) {
     __m512 acc = _mm512_mul_ps(load16(q), load16(k));
     for (int i = 1; i < D / 16; ++i)
         acc = _mm512_fmadd_ps(load16(q + 16 * i), load16(k + 16 * i), acc);
@@ -204,8 +215,8 @@ static inline __m512 hsum16(const __m512* v) {
 }
 
 // Scores of `group` query heads (rows of q) against up to 16 key rows: s[g * stride + t].
-template <int D, typename KV>
-static inline void scores16(Native, const KV* q, const KV* const* rows, int count, int group,
+template <int D, typename Q, typename KV>
+static inline void scores16(Native, const Q* q, const KV* const* rows, int count, int group,
                             float scale, float* s, long stride) {
     const __mmask16 valid = __mmask16((1u << count) - 1);
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -214,6 +225,32 @@ static inline void scores16(Native, const KV* q, const KV* const* rows, int coun
         for (int t = 0; t < 16; ++t)
             acc[t] = t < count ? row_dot<D>(Native{}, q + g * D, rows[t]) : _mm512_setzero_ps();
         _mm512_mask_storeu_ps(s + g * stride, valid, _mm512_mul_ps(hsum16(acc), vscale));
+    }
+}
+// scores16_i8 (decode_rows.h): each key row widened to int16 32 numbers at a time and
+// multiplied in pairs into int32 lanes (vpmaddwd), sixteen rows' sums then reduced at once.
+template <int D>
+static inline void scores16_i8(Native, const int16_t* q, const float* q_scale,
+                               const int8_t* const* rows, const float* k_scale, int count,
+                               int group, float scale, float* s, long stride) {
+    static_assert(D % 32 == 0, "head dim: whole int16 vectors");
+    const __mmask16 valid = __mmask16((1u << count) - 1);
+    const __m512 k_scales = _mm512_maskz_loadu_ps(valid, k_scale);
+    for (int g = 0; g < group; ++g) {
+        __m512i qv[D / 32];
+        for (int i = 0; i < D / 32; ++i) qv[i] = _mm512_loadu_si512(q + g * D + 32 * i);
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) {
+            __m512i sum = _mm512_setzero_si512();
+            for (int i = 0; t < count && i < D / 32; ++i) {
+                const __m256i k8 = _mm256_loadu_si256((const __m256i*)(rows[t] + 32 * i));
+                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(qv[i], _mm512_cvtepi8_epi16(k8)));
+            }
+            acc[t] = _mm512_cvtepi32_ps(sum);
+        }
+        const __m512 factor = _mm512_set1_ps(q_scale[g] * scale);
+        const __m512 scores = _mm512_mul_ps(_mm512_mul_ps(hsum16(acc), factor), k_scales);
+        _mm512_mask_storeu_ps(s + g * stride, valid, scores);
     }
 }
 // out[g] += sum_t p[g * p_stride + t] * rows[t] over W dims for G heads at once (head g's

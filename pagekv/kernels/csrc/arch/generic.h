@@ -63,6 +63,8 @@ struct VF {
     }
     static float widen(float x) { return x; }
     static float widen(uint16_t x) { return bf16_to_f32(x); }
+    static float widen(int8_t x) { return float(x); }
+    static float widen(fp8e4m3 x) { return e4m3_to_f32(x); }
 };
 #define PAGEKV_VF_LANEWISE(EXPR)             \
     VF r;                                    \
