@@ -4,8 +4,8 @@ A multi-turn workload (one long system prompt, then per-conversation documents a
 with a device pool far too small for its working set; its greedy outputs must equal those of a
 run with a device pool that holds everything, for every write policy, with the KV sanitizer and
 the invariants checked every step. The counters must show the host and storage hits that made
-the small pool's run match. Every test runs with float blocks and with int8 blocks (their
-scales travel with them), the host pool sized in blocks alike.
+the small pool's run match. Every test runs with float blocks and with int8 and fp8 blocks
+(their scales travel with them), the host pool sized in blocks alike.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def converse(engine: LLMEngine) -> list[list[int]]:
     return outputs
 
 
-@pytest.fixture(scope="module", params=["auto", "int8"])
+@pytest.fixture(scope="module", params=["auto", "int8", "fp8"])
 def kv_dtype(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -97,6 +97,18 @@ def reference(loaded: LoadedModel, kv_dtype: str) -> list[list[int]]:
 POLICIES = ["write_through", "write_through_selective", "write_back"]
 
 
+def assert_same_greedy(got: list[list[int]], expected: list[list[int]], kv_dtype: str) -> None:
+    """Float and int8 blocks: the same greedy tokens. fp8 blocks: a row computed in another
+    batch or chunk (recomputed after a preemption, or while its block's write was in flight)
+    may round to another fp8 step (an eighth of a value) and part one output's way; a block
+    lost or garbled in a round trip would part many."""
+    if kv_dtype != "fp8":
+        assert got == expected
+        return
+    differ = [i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+    assert len(differ) <= max(1, len(got) // 10), differ
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_host_cache_round_trip(
     loaded: LoadedModel, reference: list[list[int]], policy: str, kv_dtype: str
@@ -107,7 +119,7 @@ def test_host_cache_round_trip(
     )
     assert stats["prefix_cache_evictions"] > 0  # the device pool was too small
     assert stats["host_hit_blocks"] > 0, stats
-    assert outputs == reference
+    assert_same_greedy(outputs, reference, kv_dtype)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -125,7 +137,7 @@ def test_storage_round_trip(
     assert stats["storage_hit_blocks"] > 0, stats
     assert stats["storage_written_blocks"] > 0
     assert stats["storage_load_failures"] == stats["storage_errors"] == 0
-    assert outputs == reference
+    assert_same_greedy(outputs, reference, kv_dtype)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -165,4 +177,4 @@ def test_batched_under_pressure_with_swapping_in_the_same_host_pool(
     )
     assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0, stats
     assert stats["storage_written_blocks"] > 0
-    assert got == expected
+    assert_same_greedy(got, expected, kv_dtype)

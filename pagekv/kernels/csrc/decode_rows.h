@@ -153,6 +153,19 @@ static inline void softmax_rows(float* scores, int rows, int len, long stride, f
     }
 }
 
+// `count` 8-bit rows of D numbers widened to float32 and each times its scale, into buf (D
+// apart); wide[t] points at row t.
+template <int D, typename KV>
+static inline void widen_rows(const KV* const* rows, const float* scale, int count, float* buf,
+                              const float** wide) {
+    for (int t = 0; t < count; ++t) {
+        const VF factor = VF::set1(scale[t]);
+        for (int i = 0; i < D / VF::W; ++i)
+            (VF::load(rows[t] + VF::W * i) * factor).store(buf + t * D + VF::W * i);
+        wide[t] = buf + t * D;
+    }
+}
+
 // x[i] *= f[i] for i < len.
 static inline void multiply_row(float* x, const float* f, int len) {
     for (int i = 0; i < len; i += VF::W)

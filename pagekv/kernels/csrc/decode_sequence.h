@@ -42,9 +42,12 @@ struct Sequence {
     Q* qbuf;
     int16_t* q16;  // int8 rows: the queries in int16 steps (quantize_query), [row][D]
     float* q16_scales;
+    float* qf;  // fp8 rows: the queries in float32, [row][D]
+    float* kbuf;  // fp8 rows: 16 key rows widened and scaled, [16][D]
     float* out;
     float* lse;
     static constexpr bool INT8 = std::is_same_v<KV, int8_t>;
+    static constexpr bool FP8 = std::is_same_v<KV, fp8e4m3>;
 
     int len() const { return seq_len - start; }
     int rows_per_kvh() const { return qlen * sh.group; }
@@ -62,13 +65,15 @@ struct Sequence {
             for (int j = 0; j < sh.block_size && pos < seq_len; ++j, ++pos) slots[pos] = base + j;
         }
         const int g = sh.group;
-        for (int kvh = 0; kvh < sh.kv_heads && (qlen > 1 || INT8); ++kvh)
+        for (int kvh = 0; kvh < sh.kv_heads && (qlen > 1 || INT8 || FP8); ++kvh)
             for (int t = 0; t < qlen; ++t) {  // each kv head's rows, token after token
                 const long row = long(kvh) * rows_per_kvh() + t * g;
                 const Q* from = q + t * q_stride() + long(kvh) * g * D;
                 if constexpr (INT8) {
                     for (int h = 0; h < g; ++h)
                         quantize_query<D>(from + h * D, q16 + (row + h) * D, q16_scales + row + h);
+                } else if constexpr (FP8) {
+                    for (long i = 0; i < long(g) * D; ++i) qf[row * D + i] = load(from[i]);
                 } else {  // only qlen > 1 reads it
                     std::memcpy(qbuf + row * D, from, sizeof(Q) * g * D);
                 }
@@ -90,17 +95,19 @@ struct Sequence {
                 float* s = scores_of(kvh) + (first - start);
                 alignas(64) float k_scale[16];
                 if (ks != nullptr) row_scales(first, count, kvh, k_scale);
+                const long row = long(kvh) * rows_per_kvh();
                 if constexpr (INT8) {
-                    const long row = long(kvh) * rows_per_kvh();
                     scores16_i8<D>(Native{}, q16 + row * D, q16_scales + row, rows, k_scale,
                                    count, rows_per_kvh(), scale, s, len());
+                } else if constexpr (FP8) {  // each row widened once for all its query rows
+                    const float* wide[16];
+                    widen_rows<D>(rows, k_scale, count, kbuf, wide);
+                    scores16<D>(Native{}, qf + row * D, wide, count, rows_per_kvh(), scale, s,
+                                len());
                 } else if (!scores16_pairs<D>(Native{}, qh, rows, count, rows_per_kvh(), scale, s,
                                               len())) {
                     scores16<D>(Native{}, qh, rows, count, rows_per_kvh(), scale, s, len());
                 }
-                if (ks != nullptr && !INT8)  // fp8: the keys' scales after the sums
-                    for (int r = 0; r < rows_per_kvh(); ++r)
-                        multiply_row(s + long(r) * len(), k_scale, count);
             }
     }
 
@@ -226,13 +233,17 @@ static void decode(const Q* q, const KV* kc, const KV* vc, const uint16_t* ks, c
         const bool int8 = std::is_same_v<KV, int8_t>;
         const std::unique_ptr<int16_t[]> q16(new int16_t[int8 ? rows * D : 0]);
         const std::unique_ptr<float[]> q16_scales(new float[int8 ? rows : 0]);
+        const bool fp8 = std::is_same_v<KV, fp8e4m3>;
+        const std::unique_ptr<float[]> qf(new float[fp8 ? rows * D : 0]);
+        const std::unique_ptr<float[]> kbuf(new float[fp8 ? 16 * D : 0]);
         float* scores = share ? shared_scores.get() : own_scores.get();
         const auto sequence = [&](int b) {
             const long row = first_row[b];
             return Sequence<Q, KV, D>{q + row * num_heads * D, kc, vc, ks, vs, seq_lens[b],
                                       int(first_row[b + 1] - row), start, sh, scale, scores,
                                       scores + rows * (max_seq_len + 1), slots.get(), qbuf.get(),
-                                      q16.get(), q16_scales.get(), out + row * num_heads * D,
+                                      q16.get(), q16_scales.get(), qf.get(), kbuf.get(),
+                                      out + row * num_heads * D,
                                       lse == nullptr ? nullptr : lse + row * num_heads};
         };
         if (share) {
