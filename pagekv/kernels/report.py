@@ -47,7 +47,7 @@ def describe(
     ``FastAttention`` asks at every step): every value a short phrase, for stats() and the line."""
     kv = kv_dtype or dtype
     decode_ok = decode is not None and decode.supports(kv, head_dim, dtype)
-    prefill_ok = prefill is not None and prefill.supports_prefill(kv, head_dim)
+    prefill_ok = prefill is not None and prefill.supports_prefill(dtype, head_dim)  # 8-bit: widened
     info = {
         "cpu": isa.cpu_name(),
         "cpu_features": isa.shown_features(),

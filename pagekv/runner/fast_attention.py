@@ -28,6 +28,7 @@ Must not import ``pagekv.core`` or ``server``; of ``models``, only the layer ops
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -251,16 +252,41 @@ class FastAttention:
     def _prefill_by_kernel(
         self, q: torch.Tensor, caches: tuple[torch.Tensor, ...], out: torch.Tensor
     ) -> bool:
-        """All prefill rows of ``out`` by the prefill kernel, if it takes this step."""
+        """All prefill rows of ``out`` by the prefill kernel, if it takes this step. 8-bit
+        blocks: the chunks' blocks widened first into a pool of q's dtype (``_widened``)."""
         kernel, (k_cache, v_cache) = self.prefill_kernel, caches[:2]
-        if (
-            kernel is None
-            or len(caches) != 2
-            or not kernel.supports_prefill(k_cache.dtype, q.shape[-1])
-            or not out.is_contiguous()
-        ):
+        dtype = q.dtype if len(caches) == 4 else k_cache.dtype
+        if kernel is None or not kernel.supports_prefill(dtype, q.shape[-1]):
             return False
-        return kernel(q.contiguous(), k_cache, v_cache, self._prefill_batch, self.scale, out)
+        if not out.is_contiguous():
+            return False
+        batch = self._prefill_batch
+        if len(caches) == 4:
+            (k_cache, v_cache), batch = self._widened(caches, dtype)
+        return kernel(q.contiguous(), k_cache, v_cache, batch, self.scale, out)
+
+    @functools.cached_property
+    def _widened_blocks(self) -> tuple[torch.Tensor, PrefillBatch]:
+        """The prefill chunks' blocks (each once) and the chunks as the prefill kernel reads
+        them from a pool of just those blocks, in that order (once per step)."""
+        ids, inverse = torch.unique(
+            torch.cat([c.block_ids for c in self.layout.prefill]), return_inverse=True
+        )
+        chunks, at = [], 0
+        for chunk in self.layout.prefill:
+            count = len(chunk.block_ids)
+            chunks.append(dataclasses.replace(chunk, block_ids=inverse[at : at + count]))
+            at += count
+        return ids, _kernel_batch(tuple(chunks))
+
+    def _widened(
+        self, caches: tuple[torch.Tensor, ...], dtype: torch.dtype
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], PrefillBatch]:
+        """An 8-bit layer's blocks of this step's chunks widened to ``dtype`` (the values the
+        reference reads, rounded to the model's dtype), and the batch that reads them."""
+        ids, batch = self._widened_blocks
+        k, v = (_read_blocks(caches, i, ids, dtype).contiguous() for i in (0, 1))
+        return (k, v), batch
 
 
 def _kernel_batch(chunks: tuple[PrefillChunk, ...]) -> PrefillBatch:
