@@ -116,7 +116,10 @@ extern "C" int step_attention(const void* step, int layer, const void* q, const 
 template <typename X>
 static void quantize_row(const X* x, long n, int format, void* row, uint16_t* scale) {
     float amax = 0.f;
-    for (long i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(load(x[i])));
+    for (long i = 0; i < n; ++i) {  // a compare, not fmax: GCC 12's aarch64 vectorizer fails on it
+        const float a = std::fabs(load(x[i]));
+        amax = a > amax ? a : amax;
+    }
     const uint16_t h = f32_to_half(amax / (format == KV_FP8 ? 448.f : 127.f));
     const float stored = half_to_f32(h), divisor = stored > 0.f ? stored : 1.f;
     *scale = h;

@@ -49,7 +49,10 @@ static inline void scores16(Portable, const Q* q, const KV* const* rows, int cou
 template <int D, typename Q>
 static inline void quantize_query(const Q* q, int16_t* q16, float* q_scale) {
     float amax = 0.f;
-    for (int d = 0; d < D; ++d) amax = std::fmax(amax, std::fabs(load(q[d])));
+    for (int d = 0; d < D; ++d) {  // a compare, not fmax (as quantize_row)
+        const float a = std::fabs(load(q[d]));
+        amax = a > amax ? a : amax;
+    }
     const float step = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
     for (int d = 0; d < D; ++d) q16[d] = int16_t(__builtin_nearbyintf(load(q[d]) * inv));
     *q_scale = step;
