@@ -262,7 +262,9 @@ def test_engine_over_8_bit_blocks_matches_the_reference_attention(loaded: Loaded
     """int8 blocks: the engine with the Triton attention (in the interpreter) gives the tokens
     of the same engine with the reference attention (torch over 8-bit blocks), logprobs close.
     Not equal: the two sum in different orders, and a last-bit difference in a layer's output
-    moves a later layer's K/V across an int8 rounding boundary now and then (one step)."""
+    moves a later layer's K/V across an int8 rounding boundary now and then (one step), which
+    moves a logprob by up to about a tenth (0.063 on an Intel Xeon with AMX, whose matmuls
+    round otherwise than a Zen 4's): held to 0.15 each and 0.02 on average."""
     prompts = [loaded.tokenizer.encode(t) for t in (_LONG[:200], "The capital of France is")]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     results = []
@@ -274,8 +276,11 @@ def test_engine_over_8_bit_blocks_matches_the_reference_attention(loaded: Loaded
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
         )
         results.append([o.outputs[0] for o in outs])
+    deviations = []
     for triton_out, cpu_out in zip(*results, strict=True):
         assert triton_out.token_ids == cpu_out.token_ids
         for j, token in enumerate(cpu_out.token_ids):
             want = cpu_out.logprobs[j][token].logprob
-            assert abs(triton_out.logprobs[j][token].logprob - want) < 0.05
+            deviations.append(abs(triton_out.logprobs[j][token].logprob - want))
+    # a flip moves one logprob by up to about a tenth; most tokens see none
+    assert max(deviations) < 0.15 and sum(deviations) / len(deviations) < 0.02, deviations
